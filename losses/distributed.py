@@ -101,7 +101,7 @@ class GatherLayer(torch.autograd.Function):
         if all(size == max_size for size in sizes):
             return gathered
         chunks = gathered.split(max_size)
-        return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes)])
+        return torch.cat([chunk[:size] for chunk, size in zip(chunks, sizes, strict=True)])
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):

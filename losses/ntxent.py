@@ -55,7 +55,7 @@ class NTXentLoss(nn.Module):
     ) -> None:
         super().__init__()
         if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"NTXentLoss: temperature must be a positive number, got {temperature}")
+            raise ValueError(f"NTXentLoss: temperature must be positive, got {temperature}")
         if tile_rows is not None and tile_rows < 1:
             raise ValueError(f"NTXentLoss: tile_rows must be >= 1, got {tile_rows}")
         self.temperature = temperature

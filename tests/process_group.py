@@ -47,7 +47,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             by_rank[rank] = value
     except queue.Empty:
-        raise TimeoutError(f"no result from ranks {sorted(set(range(world_size)) - set(by_rank))}")
+        missing = sorted(set(range(world_size)) - set(by_rank))
+        raise TimeoutError(f"no result from ranks {missing} in {JOIN_TIMEOUT_S} s") from None
     finally:
         for process in processes:
             process.join(timeout=10)

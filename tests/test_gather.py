@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from losses import GatherLayer, gather
+
 from process_group import run_on_ranks
 
 FEATURES = (3, 2)  # trailing shape: more than one trailing dim on purpose

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import losses.ntxent
 from losses import NTXentLoss
+
 from process_group import run_on_ranks
 from test_gather import GATHERS
 
@@ -55,7 +56,7 @@ def test_single_process_matches_brute_force(tile_rows):
     out0, out1 = _pairs(6)
     reference = _value_and_grads(lambda a, b: brute_force_ntxent(a, b, TEMPERATURE), out0, out1)
     ours = _value_and_grads(NTXentLoss(TEMPERATURE, tile_rows=tile_rows), out0, out1)
-    for got, expected in zip(ours, reference):
+    for got, expected in zip(ours, reference, strict=True):
         assert _max_abs(got, expected) <= EXACT
 
 
@@ -63,7 +64,7 @@ def test_tiled_equals_dense_in_float32():
     out0, out1 = _pairs(64, torch.float32)
     dense = _value_and_grads(NTXentLoss(0.1), out0, out1)
     tiled = _value_and_grads(NTXentLoss(0.1, tile_rows=16), out0, out1)
-    for got, expected in zip(tiled, dense):
+    for got, expected in zip(tiled, dense, strict=True):
         assert _max_abs(got, expected) <= 1e-5
 
 
@@ -72,7 +73,7 @@ def test_automatic_tiling_above_the_dense_budget():
     dense = _value_and_grads(NTXentLoss(TEMPERATURE), out0, out1)
     # 64 x 64 float64 logits are 32 KiB: a 4 KiB budget forces tiles.
     tiny_budget = _value_and_grads(NTXentLoss(TEMPERATURE, dense_max_bytes=4096), out0, out1)
-    for got, expected in zip(tiny_budget, dense):
+    for got, expected in zip(tiny_budget, dense, strict=True):
         assert _max_abs(got, expected) <= EXACT
 
 
