@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{diff.name:<{width}}  {detail}{'  OVER' if bad else ''}")
     worst = max((d.max_abs for d in diffs if d.problem is None), default=0.0)
     verdict = "FAIL" if failures else "OK"
-    print(f"{verdict}: {len(diffs)} tensors, max abs diff {worst:.3e}, "
-          f"{failures} over atol={args.atol:g} or mismatched")
+    print(
+        f"{verdict}: {len(diffs)} tensors, max abs diff {worst:.3e}, "
+        f"{failures} over atol={args.atol:g} or mismatched"
+    )
     sys.exit(1 if failures else 0)
 
 

@@ -63,14 +63,18 @@ def load_image_dataset(name: str | None, image_column: str | None = None):
     if image_column is None:
         image_column = next((c for c in IMAGE_COLUMNS if c in columns), None)
     if image_column not in columns:
-        wanted = image_column or " or ".join(repr(c) for c in IMAGE_COLUMNS)
-        raise DataError(f"dataset {name or 'digits'!r} has no image column {wanted} "
-                        f"(columns: {', '.join(columns)}); pass --image-column")
+        wanted = repr(image_column) if image_column else " or ".join(map(repr, IMAGE_COLUMNS))
+        raise DataError(
+            f"dataset {name or 'digits'!r} has no image column {wanted} "
+            f"(columns: {', '.join(columns)}); pass --image-column"
+        )
     label_column = next((c for c in LABEL_COLUMNS if c in columns), None)
     if evaluation is None and label_column is not None and len(train) >= 10:
         split = train.train_test_split(test_size=0.2, seed=0)
         train, evaluation = split["train"], split["test"]
-    if label_column is None or (evaluation is not None and label_column not in evaluation.column_names):
+    if label_column is None or (
+        evaluation is not None and label_column not in evaluation.column_names
+    ):
         evaluation = None
     return train, evaluation, image_column, label_column
 
@@ -95,14 +99,14 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0]
 
 
-def simclr_augmentation(image_size: int) -> v2.Transform:
+def simclr_augmentation(image_size: int, crop_min_scale: float = 0.2) -> v2.Transform:
     """SimCLR's augmentation (Chen et al., 2020, appendix A), sized for ``image_size``.
 
     Gaussian blur is used from 64 px up, with a kernel of about 10% of the image,
     as in the paper; for CIFAR-sized images the paper leaves it out.
     """
     transforms = [
-        v2.RandomResizedCrop(image_size, scale=(0.2, 1.0), antialias=True),
+        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, 1.0), antialias=True),
         v2.RandomHorizontalFlip(),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
@@ -114,11 +118,13 @@ def simclr_augmentation(image_size: int) -> v2.Transform:
 
 
 def _to_tensor(image_size: int) -> v2.Transform:
-    return v2.Compose([
-        v2.ToImage(),
-        v2.RGB(),
-        v2.Resize((image_size, image_size), antialias=True),
-    ])
+    return v2.Compose(
+        [
+            v2.ToImage(),
+            v2.RGB(),
+            v2.Resize((image_size, image_size), antialias=True),
+        ]
+    )
 
 
 NORMALIZE = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.5] * 3)])
@@ -141,12 +147,20 @@ class TwoViews(torch.utils.data.Dataset):
     as an option to demonstrate exactly that.
     """
 
-    def __init__(self, dataset, image_column: str, image_size: int, seed: int,
-                 augment: bool = True, per_sample_seed: bool = True) -> None:
+    def __init__(
+        self,
+        dataset,
+        image_column: str,
+        image_size: int,
+        seed: int,
+        augment: bool = True,
+        per_sample_seed: bool = True,
+        crop_min_scale: float = 0.2,
+    ) -> None:
         self.dataset, self.image_column, self.image_size = dataset, image_column, image_size
         self.seed, self.per_sample_seed = seed, per_sample_seed
         self.to_tensor = _to_tensor(image_size)
-        self.augment = simclr_augmentation(image_size) if augment else v2.Identity()
+        self.augment = simclr_augmentation(image_size, crop_min_scale) if augment else v2.Identity()
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -182,41 +196,58 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
     The permutation depends only on (seed, epoch); global batch b is split into
     ``world_size`` contiguous shares of sizes differing by at most one (earlier
     ranks get the extra samples). ``start_batch`` skips batches already trained,
-    for an exact mid-epoch resume.
+    for an exact mid-epoch resume. ``batch_size`` and ``drop_last`` are there for
+    Accelerate's ``BatchSamplerShard``, which only the padded-batches control uses.
     """
 
-    def __init__(self, dataset_size: int, global_batch_size: int, epoch: int, seed: int,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True,
-                 drop_last: bool = False, start_batch: int = 0) -> None:
+    def __init__(
+        self,
+        dataset_size: int,
+        global_batch_size: int,
+        epoch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        start_batch: int = 0,
+    ) -> None:
         self.dataset_size, self.global_batch_size = dataset_size, global_batch_size
         self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
         self.rank, self.world_size, self.start_batch = rank, world_size, start_batch
+        self.batch_size = global_batch_size
 
     def global_batches(self) -> list[torch.Tensor]:
         if self.shuffle:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, _SHUFFLE_STREAM, self.epoch))
+            generator = torch.Generator().manual_seed(
+                derive_seed(self.seed, _SHUFFLE_STREAM, self.epoch)
+            )
             order = torch.randperm(self.dataset_size, generator=generator)
         else:
             order = torch.arange(self.dataset_size)
-        batches = list(order.split(self.global_batch_size))
-        if self.drop_last and batches and len(batches[-1]) < self.global_batch_size:
-            batches.pop()
-        return batches
+        batches = order.split(self.global_batch_size)
+        return list(
+            batches[: batches_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)]
+        )
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for batch in self.global_batches()[self.start_batch:]:
+        for batch in self.global_batches()[self.start_batch :]:
             share = batch.tensor_split(self.world_size)[self.rank]
             yield [(self.epoch, index) for index in share.tolist()]
 
     def __len__(self) -> int:
-        return max(0, batches_per_epoch(self.dataset_size, self.global_batch_size,
-                                        self.drop_last) - self.start_batch)
+        return max(
+            0,
+            batches_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
+            - self.start_batch,
+        )
 
 
 def batches_per_epoch(dataset_size: int, global_batch_size: int, drop_last: bool) -> int:
-    if drop_last:
-        return dataset_size // global_batch_size
-    return -(-dataset_size // global_batch_size)
+    """Full batches, plus the short last one unless ``drop_last`` or it holds one sample
+    (a single pair has no negatives)."""
+    remainder = dataset_size % global_batch_size
+    return dataset_size // global_batch_size + (not drop_last and remainder >= 2)
 
 
 def evaluation_images(dataset, image_column: str, image_size: int) -> torch.Tensor:

@@ -18,13 +18,21 @@ class LARS(torch.optim.Optimizer):
     weight decay nor adaptation: their trust ratio is 1.
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+    ) -> None:
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0 or trust_coefficient <= 0:
-            raise ValueError("LARS: need lr > 0, 0 <= momentum < 1, weight_decay >= 0, "
-                             "trust_coefficient > 0")
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        trust_coefficient=trust_coefficient)
+            raise ValueError(
+                "LARS: need lr > 0, 0 <= momentum < 1, weight_decay >= 0, trust_coefficient > 0"
+            )
+        defaults = dict(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -38,7 +38,7 @@ from data import (
 )
 from lars import LARS
 from losses import NTXentLoss
-from models import BACKBONES, SimCLR
+from models import BACKBONES, SimCLR, convert_sync_batchnorm
 
 OPTIMIZERS = ("sgd", "adamw", "lars")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -66,6 +66,7 @@ class TrainConfig:
     warmup_steps: int = 10
     temperature: float = 0.2
     augment: bool = True
+    crop_min_scale: float = 0.2  # RandomResizedCrop's smallest area fraction
     dtype: str = "float32"
     seed: int = 0
     num_workers: int = 0
@@ -76,6 +77,10 @@ class TrainConfig:
     knn_k: int = 20
     log_every: int = 10
     gather: bool = True  # False: each rank uses only local negatives (a different objective)
+    sync_batchnorm: bool = True  # BatchNorm statistics over the global batch when W > 1
+    # The two below exist to reproduce what breaks world-size invariance elsewhere:
+    augmentation_seeding: str = "per-sample"  # or "per-process": seed + rank, global RNG
+    data_sharding: str = "exact"  # or "accelerate": Accelerate pads short batches (even_batches)
 
 
 def train(config: TrainConfig) -> dict[str, float]:
@@ -86,9 +91,11 @@ def train(config: TrainConfig) -> dict[str, float]:
         cpu=not torch.accelerator.is_available(),
         log_with=_trackers(config.output_dir),
         project_dir=config.output_dir,
+        # Used only by --data-sharding accelerate: each rank takes a slice of a global batch.
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
     _check_config(config, accelerator)
-    world_size, rank = accelerator.num_processes, accelerator.process_index
+    world_size = accelerator.num_processes
     dtype = DTYPES[config.dtype]
     accelerator.init_trackers("simclr", config=dataclasses.asdict(config))
     set_seed(config.seed)  # identical initial weights on every rank
@@ -97,7 +104,16 @@ def train(config: TrainConfig) -> dict[str, float]:
     train_set, eval_set, image_column, label_column = load_image_dataset(
         config.dataset, config.image_column
     )
-    views = TwoViews(train_set, image_column, config.image_size, config.seed, config.augment)
+    per_sample_seed = config.augmentation_seeding == "per-sample"
+    views = TwoViews(
+        train_set,
+        image_column,
+        config.image_size,
+        config.seed,
+        config.augment,
+        per_sample_seed=per_sample_seed,
+        crop_min_scale=config.crop_min_scale,
+    )
     steps_per_epoch = batches_per_epoch(len(train_set), config.batch_size, config.drop_last)
     if steps_per_epoch == 0:
         raise TrainerError(
@@ -108,6 +124,17 @@ def train(config: TrainConfig) -> dict[str, float]:
 
     # Model, loss, optimizer
     model = SimCLR(backbone=config.model, image_size=config.image_size).to(dtype)
+    if world_size > 1 and config.sync_batchnorm:
+        model = convert_sync_batchnorm(model)
+    if world_size > 1 and any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in model.modules()
+    ):
+        accelerator.print(
+            "warning: the model has dropout, whose masks depend on the process: "
+            "training is not world-size invariant"
+        )
+    if not per_sample_seed:
+        set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
     criterion = NTXentLoss(temperature=config.temperature, gather_distributed=config.gather)
     optimizer = _optimizer(config, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -126,16 +153,17 @@ def train(config: TrainConfig) -> dict[str, float]:
         metrics["knn_top1_init"] = _evaluate(accelerator, model, knn_data, config, step)
 
     # Loop
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_main_process,
-                    desc="training", dynamic_ncols=True)
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        disable=not accelerator.is_main_process,
+        desc="training",
+        dynamic_ncols=True,
+    )
     started, started_step = time.perf_counter(), step
     while step < total_steps:
         epoch, first_batch = divmod(step, steps_per_epoch)
-        sampler = GlobalBatchSampler(len(train_set), config.batch_size, epoch, config.seed,
-                                     rank, world_size, drop_last=config.drop_last,
-                                     start_batch=first_batch)
-        loader = DataLoader(views, batch_sampler=sampler, collate_fn=views.collate,
-                            num_workers=config.num_workers)
+        loader = _train_loader(views, accelerator, config, epoch, first_batch)
         for view0, view1 in loader:
             images = torch.cat([view0, view1]).to(accelerator.device, dtype)
             # One forward over both views: BatchNorm sees the whole batch, as in SimCLR.
@@ -151,14 +179,24 @@ def train(config: TrainConfig) -> dict[str, float]:
             if step % config.log_every == 0 or step == total_steps:
                 # Each rank's loss is W x its share of the global loss: the mean is the loss.
                 metrics["loss"] = accelerator.reduce(loss.detach(), "mean").item()
-                samples_per_s = (step - started_step) * config.batch_size / (
-                    time.perf_counter() - started
+                samples_per_s = (
+                    (step - started_step) * config.batch_size / (time.perf_counter() - started)
                 )
                 lr = scheduler.get_last_lr()[0]
-                progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.3g}",
-                                     samples_per_s=f"{samples_per_s:.0f}")
-                accelerator.log({"loss": metrics["loss"], "lr": lr, "epoch": epoch,
-                                 "samples_per_s": samples_per_s}, step=step)
+                progress.set_postfix(
+                    loss=f"{metrics['loss']:.4f}",
+                    lr=f"{lr:.3g}",
+                    samples_per_s=f"{samples_per_s:.0f}",
+                )
+                accelerator.log(
+                    {
+                        "loss": metrics["loss"],
+                        "lr": lr,
+                        "epoch": epoch,
+                        "samples_per_s": samples_per_s,
+                    },
+                    step=step,
+                )
             if config.save_every and step % config.save_every == 0:
                 _save_checkpoint(accelerator, config, step)
             if config.eval_every and step % config.eval_every == 0 and step < total_steps:
@@ -177,6 +215,33 @@ def train(config: TrainConfig) -> dict[str, float]:
     return metrics
 
 
+def _train_loader(
+    views: TwoViews, accelerator: Accelerator, config: TrainConfig, epoch: int, first_batch: int
+) -> DataLoader:
+    """This rank's share of each global batch of ``epoch``, from batch ``first_batch`` on."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    if config.data_sharding == "accelerate":
+        # Accelerate shards whole global batches and, with even_batches, pads a short
+        # last batch with repeated samples: the padded-batches negative control.
+        rank, world_size = 0, 1
+    sampler = GlobalBatchSampler(
+        len(views),
+        config.batch_size,
+        epoch,
+        config.seed,
+        rank,
+        world_size,
+        drop_last=config.drop_last,
+        start_batch=first_batch,
+    )
+    loader = DataLoader(
+        views, batch_sampler=sampler, collate_fn=views.collate, num_workers=config.num_workers
+    )
+    if config.data_sharding == "accelerate":
+        loader = accelerator.prepare_data_loader(loader)
+    return loader
+
+
 def _check_config(config: TrainConfig, accelerator: Accelerator) -> None:
     world_size = accelerator.num_processes
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -193,7 +258,9 @@ def _check_config(config: TrainConfig, accelerator: Accelerator) -> None:
     if config.model not in BACKBONES:
         raise TrainerError(f"--model {config.model!r}: choose one of {', '.join(BACKBONES)}")
     if config.optimizer not in OPTIMIZERS:
-        raise TrainerError(f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        raise TrainerError(
+            f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
+        )
     if config.dtype not in DTYPES:
         raise TrainerError(f"--dtype {config.dtype!r}: choose one of {', '.join(DTYPES)}")
     if config.dtype == "float64" and accelerator.mixed_precision != "no":
@@ -202,13 +269,18 @@ def _check_config(config: TrainConfig, accelerator: Accelerator) -> None:
         raise TrainerError("--temperature and --lr must be positive")
     if config.max_steps is not None and config.max_steps < 1:
         raise TrainerError("--max-steps must be >= 1")
+    if config.augmentation_seeding not in ("per-sample", "per-process"):
+        raise TrainerError("--augmentation-seeding: choose per-sample or per-process")
+    if config.data_sharding not in ("exact", "accelerate"):
+        raise TrainerError("--data-sharding: choose exact or accelerate")
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     params = model.parameters()
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay)
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
     if config.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     return LARS(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
@@ -239,8 +311,14 @@ def _save_checkpoint(accelerator: Accelerator, config: TrainConfig, step: int) -
     accelerator.save_state(partial)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = {"step": step, "batch_size": config.batch_size, "seed": config.seed,
-                 "dataset": config.dataset, "model": config.model, "dtype": config.dtype}
+        state = {
+            "step": step,
+            "batch_size": config.batch_size,
+            "seed": config.seed,
+            "dataset": config.dataset,
+            "model": config.model,
+            "dtype": config.dtype,
+        }
         with open(os.path.join(partial, STATE_FILE), "w") as file:
             json.dump(state, file, indent=2)
         if os.path.exists(final):
@@ -304,21 +382,32 @@ def _knn_data(eval_set, train_set, image_column, label_column, config: TrainConf
 
 
 @torch.no_grad()
-def knn_top1(model: SimCLR, bank_images, bank_labels, query_images, query_labels, k: int = 20,
-             temperature: float = 0.07, batch_size: int = 256) -> float:
+def knn_top1(
+    model: SimCLR,
+    bank_images,
+    bank_labels,
+    query_images,
+    query_labels,
+    k: int = 20,
+    temperature: float = 0.07,
+    batch_size: int = 256,
+) -> float:
     """Top-1 accuracy of a cosine-similarity kNN classifier with exp(sim / t) weighted votes."""
     parameter = next(model.parameters())
 
     def features(images: torch.Tensor) -> torch.Tensor:
-        chunks = [model.embed(chunk.to(parameter.device, parameter.dtype))
-                  for chunk in images.split(batch_size)]
+        chunks = [
+            model.embed(chunk.to(parameter.device, parameter.dtype))
+            for chunk in images.split(batch_size)
+        ]
         return F.normalize(torch.cat(chunks), dim=1)
 
     bank, queries = features(bank_images), features(query_images)
     bank_labels = bank_labels.to(bank.device)
     similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
-    votes = torch.zeros(len(queries), int(bank_labels.max()) + 1, device=bank.device,
-                        dtype=bank.dtype)
+    votes = torch.zeros(
+        len(queries), int(bank_labels.max()) + 1, device=bank.device, dtype=bank.dtype
+    )
     votes.scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
     return (votes.argmax(1).cpu() == query_labels).double().mean().item()
 
@@ -391,14 +480,21 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--dataset", default=defaults.dataset,
+    add(
+        "--dataset",
+        default=defaults.dataset,
         help="hub name or local path (e.g. an image folder) for datasets.load_dataset; "
-             "default: scikit-learn's digits, offline")
+        "default: scikit-learn's digits, offline",
+    )
     add("--image-column", default=defaults.image_column)
     add("--image-size", type=int, default=defaults.image_size)
     add("--model", default=defaults.model, help=f"one of {', '.join(BACKBONES)}")
-    add("--batch-size", type=int, default=defaults.batch_size,
-        help="global batch size (pairs), split across processes")
+    add(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        help="global batch size (pairs), split across processes",
+    )
     add("--epochs", type=int, default=defaults.epochs)
     add("--max-steps", type=int, default=defaults.max_steps, help="overrides --epochs")
     add("--drop-last", action=argparse.BooleanOptionalAction, default=defaults.drop_last)
@@ -409,8 +505,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     add("--warmup-steps", type=int, default=defaults.warmup_steps)
     add("--temperature", type=float, default=defaults.temperature)
     add("--augment", action=argparse.BooleanOptionalAction, default=defaults.augment)
-    add("--dtype", default=defaults.dtype,
-        help="float64 for exactness checks; mixed precision is Accelerate's --mixed_precision")
+    add("--crop-min-scale", type=float, default=defaults.crop_min_scale)
+    add(
+        "--dtype",
+        default=defaults.dtype,
+        help="float64 for exactness checks; mixed precision is Accelerate's --mixed_precision",
+    )
     add("--seed", type=int, default=defaults.seed)
     add("--num-workers", type=int, default=defaults.num_workers)
     add("--output-dir", default=defaults.output_dir)
@@ -419,10 +519,31 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     add("--eval-every", type=int, default=defaults.eval_every)
     add("--knn-k", type=int, default=defaults.knn_k, help="0 disables the kNN evaluation")
     add("--log-every", type=int, default=defaults.log_every)
-    add("--gather", action=argparse.BooleanOptionalAction, default=defaults.gather,
-        help="--no-gather: negatives from the local batch only (not the global objective)")
-    return TrainConfig(**{key.replace("-", "_"): value
-                          for key, value in vars(parser.parse_args(argv)).items()})
+    add(
+        "--gather",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.gather,
+        help="--no-gather: negatives from the local batch only (not the global objective)",
+    )
+    add(
+        "--sync-batchnorm",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.sync_batchnorm,
+        help="BatchNorm statistics over the global batch when several processes run",
+    )
+    add(
+        "--augmentation-seeding",
+        default=defaults.augmentation_seeding,
+        help="per-sample (world-size invariant) or per-process (seed + rank, for comparison)",
+    )
+    add(
+        "--data-sharding",
+        default=defaults.data_sharding,
+        help="exact (no padding) or accelerate (Accelerate's even_batches padding, for comparison)",
+    )
+    return TrainConfig(
+        **{key.replace("-", "_"): value for key, value in vars(parser.parse_args(argv)).items()}
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -431,7 +552,9 @@ def main(argv: list[str] | None = None) -> None:
         train(config)
     except (TrainerError, DataError, ValueError) as error:
         # Every rank validates the same inputs, so every rank exits here: no hang.
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # One write per line: the ranks share the launcher's stderr and must not interleave.
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), f"error: {error}\n".encode())
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         sys.exit(2)

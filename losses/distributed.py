@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 # torch >= 2.10 renamed the single-tensor collectives; the old names warn there.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 # Trailing dimensions we exchange alongside dim-0 sizes, so that every rank can
 # check that all ranks agree on the feature shape before the payload moves.
@@ -51,7 +51,7 @@ def all_gather_sizes(
     meta += trailing + [0] * (_MAX_DIMS - 1 - len(trailing))
     local = torch.tensor(meta, dtype=torch.int64, device=x.device)
     table = local.new_empty(dist.get_world_size(group) * local.numel())
-    _all_gather_single(table, local, group=group)
+    all_gather_single(table, local, group=group)
     rows = table.view(-1, local.numel()).tolist()
     sizes, error_codes = [row[0] for row in rows], [row[1] for row in rows]
     if _BAD_RANK in error_codes:
@@ -97,7 +97,7 @@ class GatherLayer(torch.autograd.Function):
         max_size = max(sizes)
         padded = _pad_rows(x.contiguous(), max_size)
         gathered = padded.new_empty((len(sizes) * max_size, *x.shape[1:]))
-        _all_gather_single(gathered, padded, group=group)
+        all_gather_single(gathered, padded, group=group)
         if all(size == max_size for size in sizes):
             return gathered
         chunks = gathered.split(max_size)
@@ -110,7 +110,7 @@ class GatherLayer(torch.autograd.Function):
         stacked = torch.cat([_pad_rows(chunk, max_size) for chunk in grad_chunks])
         grad_input = stacked.new_empty((max_size, *grad_output.shape[1:]))
         try:
-            _reduce_scatter_single(grad_input, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
+            reduce_scatter_single(grad_input, stacked, op=dist.ReduceOp.SUM, group=ctx.group)
         except (RuntimeError, NotImplementedError):
             # Backends without reduce-scatter: all-reduce everything, keep our slice.
             dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=ctx.group)

@@ -47,15 +47,23 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
                 nn.Linear(hidden, hidden),
             )
             self.projection_head = nn.Sequential(
-                nn.ReLU(), nn.Linear(hidden, projection_hidden_dim), nn.ReLU(),
+                nn.ReLU(),
+                nn.Linear(hidden, projection_hidden_dim),
+                nn.ReLU(),
                 nn.Linear(projection_hidden_dim, projection_dim),
             )
             return
         resnet = torchvision.models.get_model(backbone, weights=None)
         if in_channels != 3 or image_size <= small_image_max_size:
             stride = 1 if image_size <= small_image_max_size else 2
-            resnet.conv1 = nn.Conv2d(in_channels, 64, 3 if stride == 1 else 7, stride,
-                                     1 if stride == 1 else 3, bias=False)
+            resnet.conv1 = nn.Conv2d(
+                in_channels,
+                64,
+                3 if stride == 1 else 7,
+                stride,
+                1 if stride == 1 else 3,
+                bias=False,
+            )
         if image_size <= small_image_max_size:
             resnet.maxpool = nn.Identity()
         feature_dim = resnet.fc.in_features

@@ -1,0 +1,235 @@
+"""trainer.py under real ``accelerate launch``: 1 vs 2 processes, resume, bad input.
+
+Model: ``--model mlp --no-augment`` (no BatchNorm, no random views), the setting in
+which world-size invariance depends on the gather and the loss normalisation alone.
+Tolerances: float32 1e-5 (the same sums split 8 vs 4+4 round differently, ~1e-7
+per step, amplified over 12 steps); float64 1e-10 (same argument, 2^-29 x smaller).
+AdamW in float32 gets 1e-4: its step lr * m / (sqrt(v) + eps) has slope lr / eps
+= 1e5 in the gradient where |g| << eps, so a 1e-10 rounding difference in a
+near-zero gradient entry becomes ~1e-5 in that weight (measured: 4e-5..7e-5 in a
+handful of entries, everything else ~1e-7). In float64 AdamW meets 1e-10.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import trainer
+from ckpt_diff import max_abs_diff
+
+from launch import launch, make_image_folder
+
+STEPS = "12"
+EXACT = {"float32": 1e-5, "float64": 1e-10}
+ADAMW_FLOAT32 = 1e-4
+COMMON = [
+    "--model",
+    "mlp",
+    "--no-augment",
+    "--batch-size",
+    "8",
+    "--max-steps",
+    STEPS,
+    "--knn-k",
+    "0",
+    "--log-every",
+    "4",
+]
+
+
+def _run(tmp_path_factory, num_processes: int, *args: str) -> str:
+    output = tmp_path_factory.mktemp("run")
+    launch(num_processes, *COMMON, *args, "--output-dir", str(output))
+    return str(output / "final")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Final models keyed by (processes, optimizer, dtype, gather), trained lazily."""
+    cache: dict[tuple, str] = {}
+
+    def get(processes: int, optimizer: str, dtype: str, gather: bool = True) -> str:
+        key = (processes, optimizer, dtype, gather)
+        if key not in cache:
+            lr = "0.1" if optimizer == "sgd" else "0.001"
+            cache[key] = _run(
+                tmp_path_factory,
+                processes,
+                "--optimizer",
+                optimizer,
+                "--lr",
+                lr,
+                "--dtype",
+                dtype,
+                "--gather" if gather else "--no-gather",
+            )
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_one_and_two_processes_train_the_same_model(runs, optimizer, dtype):
+    diff = max_abs_diff(runs(1, optimizer, dtype), runs(2, optimizer, dtype))
+    print(f"{optimizer} {dtype}: 1 vs 2 processes max abs diff {diff:.3e}")
+    tolerance = ADAMW_FLOAT32 if (optimizer, dtype) == ("adamw", "float32") else EXACT[dtype]
+    assert diff <= tolerance
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_negative_control_local_negatives_only(runs, dtype):
+    """Without the gather each rank optimises its own local loss: far outside tolerance."""
+    diff = max_abs_diff(runs(1, "sgd", dtype), runs(2, "sgd", dtype, gather=False))
+    print(f"--no-gather {dtype}: 1 vs 2 processes max abs diff {diff:.3e}")
+    assert diff > 100 * EXACT[dtype]
+
+
+@pytest.fixture(scope="module")
+def small_image_folder(tmp_path_factory):
+    # 20 images, global batch 8: 3 steps per epoch, the last one short.
+    return make_image_folder(tmp_path_factory.mktemp("images"), count=20)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_resume_mid_epoch_matches_straight_run(tmp_path, small_image_folder, num_processes):
+    args = [
+        "--dataset",
+        str(small_image_folder),
+        "--model",
+        "mlp",
+        "--image-size",
+        "12",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "10",
+        "--knn-k",
+        "0",
+        "--save-every",
+        "4",
+    ]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch(num_processes, *args, "--output-dir", str(straight))
+    # Step 4 is mid-epoch (batch 1 of epoch 1), with shuffling and random augmentation on.
+    launch(
+        num_processes,
+        *args,
+        "--output-dir",
+        str(resumed),
+        "--resume-from",
+        str(straight / "checkpoint-4"),
+    )
+    diff = max_abs_diff(str(straight / "final"), str(resumed / "final"))
+    print(f"{num_processes} process(es): straight vs resumed max abs diff {diff:.3e}")
+    assert diff <= 1e-6
+    assert not list(straight.glob(".*partial")), "a temporary checkpoint was left behind"
+    assert (straight / "checkpoint-8" / "trainer_state.json").exists()
+
+
+def test_default_dataset_reports_knn_before_and_after(tmp_path):
+    result = launch(
+        1, "--max-steps", "2", "--batch-size", "16", "--knn-k", "5", "--output-dir", str(tmp_path)
+    )
+    assert "random init" in result.stdout and "trained" in result.stdout, result.stdout
+    assert (tmp_path / "final" / "model.safetensors").exists()
+    assert (tmp_path / "final" / "config.json").exists()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in record for record in records)
+    assert any("knn_top1" in record for record in records)
+
+
+def _assert_one_line_error(result, expected: str, num_processes: int) -> None:
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0
+    assert len(errors) == num_processes, result.stderr  # every rank says it, once
+    assert all(expected in line for line in errors), errors
+    # Accelerate's launcher reports the failed child with its own traceback; ours must not.
+    for source in ('trainer.py", line', 'data.py", line', "losses"):
+        assert source not in result.stderr, result.stderr
+
+
+def test_bad_input_unknown_dataset_path(tmp_path):
+    result = launch(
+        2,
+        *COMMON,
+        "--dataset",
+        str(tmp_path / "missing"),
+        "--output-dir",
+        str(tmp_path),
+        check=False,
+    )
+    _assert_one_line_error(result, "does not exist", 2)
+
+
+def test_bad_input_batch_size_not_divisible(tmp_path):
+    result = launch(
+        2, "--model", "mlp", "--batch-size", "7", "--output-dir", str(tmp_path), check=False
+    )
+    _assert_one_line_error(result, "divisible by the 2 processes", 2)
+
+
+def test_bad_input_missing_image_column(tmp_path, small_image_folder):
+    result = launch(
+        2,
+        *COMMON,
+        "--dataset",
+        str(small_image_folder),
+        "--image-column",
+        "photo",
+        "--output-dir",
+        str(tmp_path),
+        check=False,
+    )
+    _assert_one_line_error(result, "no image column 'photo'", 2)
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file"])
+def test_bad_input_damaged_checkpoint(tmp_path, damage):
+    args = [
+        "--model",
+        "mlp",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--knn-k",
+        "0",
+    ]
+    launch(1, *args, "--output-dir", str(tmp_path / "run"))
+    checkpoint = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "run" / "checkpoint-2", checkpoint)
+    if damage == "truncated_weights":
+        weights = checkpoint / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        expected = "corrupt checkpoint"
+    else:
+        (checkpoint / "trainer_state.json").unlink()
+        expected = "incomplete checkpoint"
+    result = launch(
+        2,
+        *args,
+        "--resume-from",
+        str(checkpoint),
+        "--output-dir",
+        str(tmp_path / "again"),
+        check=False,
+    )
+    _assert_one_line_error(result, expected, 2)
+    assert not (tmp_path / "again" / "final").exists()
+
+
+def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypatch):
+    """The trap: a bare Accelerator() under a 2-process CPU launch reports one process."""
+
+    class SingleProcessAccelerator:
+        num_processes, distributed_type, mixed_precision = 1, "DistributedType.NO", "no"
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(trainer.TrainerError, match="WORLD_SIZE=2 but Accelerate runs one"):
+        trainer._check_config(trainer.TrainConfig(), SingleProcessAccelerator())
