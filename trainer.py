@@ -179,21 +179,21 @@ def train(config: TrainConfig) -> dict[str, float]:
             if step % config.log_every == 0 or step == total_steps:
                 # Each rank's loss is W x its share of the global loss: the mean is the loss.
                 metrics["loss"] = accelerator.reduce(loss.detach(), "mean").item()
-                samples_per_s = (
+                metrics["samples_per_s"] = (
                     (step - started_step) * config.batch_size / (time.perf_counter() - started)
                 )
                 lr = scheduler.get_last_lr()[0]
                 progress.set_postfix(
                     loss=f"{metrics['loss']:.4f}",
                     lr=f"{lr:.3g}",
-                    samples_per_s=f"{samples_per_s:.0f}",
+                    samples_per_s=f"{metrics['samples_per_s']:.0f}",
                 )
                 accelerator.log(
                     {
                         "loss": metrics["loss"],
+                        "samples_per_s": metrics["samples_per_s"],
                         "lr": lr,
                         "epoch": epoch,
-                        "samples_per_s": samples_per_s,
                     },
                     step=step,
                 )

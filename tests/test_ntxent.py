@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import losses.ntxent
 from losses import NTXentLoss
+from losses.testing import run_on_ranks
 
-from process_group import run_on_ranks
 from test_gather import GATHERS
 
 FEATURES = 5

@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from losses.testing import run_on_ranks
 from models import SyncBatchNorm, convert_sync_batchnorm
-
-from process_group import run_on_ranks
 
 EXACT = 1e-10  # float64; only summation order differs from nn.BatchNorm
 CHANNELS = 3

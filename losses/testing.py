@@ -1,4 +1,4 @@
-"""Run a function on W real processes joined in a gloo process group, with timeouts."""
+"""Run a function on W local processes joined in a gloo group, with timeouts (tests, benchmarks)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,113 @@
+"""Trainer throughput vs a minimal hand-written Accelerate loop; augmentation seeding cost.
+
+Both loops train the same model (SimCLR ResNet-18) on the same data (digits, the
+same SimCLR augmentation) with the same loss and optimizer, one process. The
+baseline is what a user would write in ten lines: a shuffled DataLoader prepared
+by Accelerate, augmentations from the global RNG. The runs alternate; each
+reports samples/s from its first to its last step, the median is kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, Dataset
+
+from data import TwoViews, load_image_dataset
+from losses import NTXentLoss
+from models import SimCLR
+from trainer import TrainConfig, train
+
+
+class _IndexToItem(Dataset):
+    """Plain integer indices for the baseline's ordinary shuffled DataLoader."""
+
+    def __init__(self, views: TwoViews) -> None:
+        self.views = views
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, index: int):
+        return self.views[(0, index)]
+
+
+def hand_written_loop(config: TrainConfig) -> float:
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(config.seed)
+    train_set, _, image_column, _ = load_image_dataset(None)
+    views = TwoViews(train_set, image_column, config.image_size, config.seed, per_sample_seed=False)
+    loader = DataLoader(
+        _IndexToItem(views), batch_size=config.batch_size, shuffle=True, drop_last=True
+    )
+    model = SimCLR(backbone=config.model, image_size=config.image_size)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+    criterion = NTXentLoss(temperature=config.temperature)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    step, started = 0, time.perf_counter()
+    while step < config.max_steps:
+        for view0, view1 in loader:
+            out0, out1 = model(torch.cat([view0, view1])).split(len(view0))
+            loss = criterion(out0, out1)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step == config.max_steps:
+                break
+    loss.item()
+    return config.max_steps * config.batch_size / (time.perf_counter() - started)
+
+
+def trainer_throughput(
+    steps: int = 20, batch_size: int = 64, image_size: int = 16, repeats: int = 3
+) -> dict:
+    samples_per_s: dict[str, list[float]] = {"trainer": [], "hand_written": []}
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as output_dir:
+            config = TrainConfig(
+                max_steps=steps,
+                batch_size=batch_size,
+                image_size=image_size,
+                knn_k=0,
+                log_every=steps,
+                output_dir=output_dir,
+            )
+            samples_per_s["trainer"].append(train(config)["samples_per_s"])
+            samples_per_s["hand_written"].append(hand_written_loop(config))
+    medians = {name: statistics.median(values) for name, values in samples_per_s.items()}
+    return {
+        "samples_per_s": medians,
+        "steps": steps,
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "ratio": medians["trainer"] / medians["hand_written"],
+    }
+
+
+def augmentation_cost(items: int = 400, image_size: int = 32, repeats: int = 5) -> dict:
+    """Seconds per two-view item: per-sample seeded vs the global RNG."""
+    train_set, _, image_column, _ = load_image_dataset(None)
+    variants = {
+        "per_sample_seed": TwoViews(train_set, image_column, image_size, 0),
+        "global_rng": TwoViews(train_set, image_column, image_size, 0, per_sample_seed=False),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(repeats):
+        for name, views in variants.items():
+            started = time.perf_counter()
+            for index in range(items):
+                views[(repeat, index)]
+            seconds[name].append((time.perf_counter() - started) / items)
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
+    return {
+        "seconds_per_item": medians,
+        "image_size": image_size,
+        "ratio": medians["per_sample_seed"] / medians["global_rng"],
+    }
