@@ -60,7 +60,7 @@ class TrainConfig:
     max_steps: int | None = None  # overrides epochs
     drop_last: bool = False
     optimizer: str = "sgd"
-    lr: float = 0.1
+    lr: float = 0.03  # SGD: 0.06 x batch / 256 (lightly's CIFAR-10 recipe)
     momentum: float = 0.9
     weight_decay: float = 5e-4
     warmup_steps: int = 10
@@ -511,7 +511,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         default=defaults.image_size,
         help="default: 8 for the default digits (their native size), else 32",
     )
-    add("--model", default=defaults.model, help=f"one of {', '.join(BACKBONES)}")
+    add("--model", default=defaults.model, choices=BACKBONES)
     add(
         "--batch-size",
         type=int,
@@ -521,7 +521,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     add("--epochs", type=int, default=defaults.epochs)
     add("--max-steps", type=int, default=defaults.max_steps, help="overrides --epochs")
     add("--drop-last", action=argparse.BooleanOptionalAction, default=defaults.drop_last)
-    add("--optimizer", default=defaults.optimizer, help=f"one of {', '.join(OPTIMIZERS)}")
+    add("--optimizer", default=defaults.optimizer, choices=OPTIMIZERS)
     add("--lr", type=float, default=defaults.lr)
     add("--momentum", type=float, default=defaults.momentum)
     add("--weight-decay", type=float, default=defaults.weight_decay)
@@ -537,6 +537,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     add(
         "--dtype",
         default=defaults.dtype,
+        choices=tuple(DTYPES),
         help="float64 for exactness checks; mixed precision is Accelerate's --mixed_precision",
     )
     add("--seed", type=int, default=defaults.seed)
@@ -562,11 +563,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     add(
         "--augmentation-seeding",
         default=defaults.augmentation_seeding,
+        choices=("per-sample", "per-process"),
         help="per-sample (world-size invariant) or per-process (seed + rank, for comparison)",
     )
     add(
         "--data-sharding",
         default=defaults.data_sharding,
+        choices=("exact", "accelerate"),
         help="exact (no padding) or accelerate (Accelerate's even_batches padding, for comparison)",
     )
     return TrainConfig(

@@ -7,10 +7,11 @@ only the part of the objective that touches its own rows. The widely copied
 ``GatherLayer`` whose backward returns ``grad_output[rank_slice]`` has the same
 defect: it forgets the gradients that the *other* ranks' losses produced.
 
-``gather`` below all-gathers along dim 0 and its backward reduce-scatters:
-rank r receives, for its own rows, the sum over all ranks of the incoming
-gradient. That is exactly the gradient of ``sum_k loss_k(cat(x_0, ..., x_{W-1}))``
-with respect to ``x_r``.
+``gather`` below all-gathers along dim 0 and its backward sums over ranks
+(a reduce-scatter; an all-reduce on gloo, where that is faster): rank r
+receives, for its own rows, the sum over all ranks of the incoming gradient.
+That is exactly the gradient of ``sum_k loss_k(cat(x_0, ..., x_{W-1}))`` with
+respect to ``x_r``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ class NTXentLoss(nn.Module):
     scaled by ``world_size / (2N)`` so that DDP's gradient *average* equals the
     single-process gradient on the concatenated global batch, for uneven per-rank
     batch sizes too. The mean of the returned values over ranks is the loss above.
+    (``Accelerator.gather`` in place of the gather would carry no gradient to the
+    other ranks: each would optimise only the rows of its own samples.)
 
     Rows are processed in tiles of ``tile_rows``; when the rows do not fit in one
     tile, similarities are recomputed in backward, so extra memory grows as

@@ -54,18 +54,15 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
             )
             return
         resnet = torchvision.models.get_model(backbone, weights=None)
-        if in_channels != 3 or image_size <= small_image_max_size:
-            stride = 1 if image_size <= small_image_max_size else 2
+        if image_size <= small_image_max_size:  # CIFAR stem: keep the few pixels there are
             resnet.conv1 = nn.Conv2d(
-                in_channels,
-                64,
-                3 if stride == 1 else 7,
-                stride,
-                1 if stride == 1 else 3,
-                bias=False,
+                in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False
             )
-        if image_size <= small_image_max_size:
             resnet.maxpool = nn.Identity()
+        elif in_channels != 3:
+            resnet.conv1 = nn.Conv2d(
+                in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False
+            )
         feature_dim = resnet.fc.in_features
         resnet.fc = nn.Identity()
         self.encoder = resnet
