@@ -131,7 +131,7 @@ def table(results: dict) -> str:
             )
     lines += [
         "",
-        "Gather forward+backward, 2 gloo processes, d=128, fp32 (median)",
+        "Gather backward, 2 gloo processes, d=128, fp32 (median)",
         "",
         "| rows per rank | reduce-scatter (ours) | all-reduce + slice "
         "| torch.distributed.nn all_gather | reduce-scatter / all-reduce |",

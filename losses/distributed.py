@@ -7,9 +7,8 @@ only the part of the objective that touches its own rows. The widely copied
 ``GatherLayer`` whose backward returns ``grad_output[rank_slice]`` has the same
 defect: it forgets the gradients that the *other* ranks' losses produced.
 
-``gather`` below all-gathers along dim 0 and its backward sums over ranks
-(a reduce-scatter; an all-reduce on gloo, where that is faster): rank r
-receives, for its own rows, the sum over all ranks of the incoming gradient.
+``gather`` below all-gathers along dim 0 and its backward reduce-scatters:
+rank r receives, for its own rows, the sum over all ranks of the incoming gradient.
 That is exactly the gradient of ``sum_k loss_k(cat(x_0, ..., x_{W-1}))`` with
 respect to ``x_r``.
 """
@@ -86,16 +85,15 @@ class GatherLayer(torch.autograd.Function):
     forward:  y = cat(x_0, x_1, ..., x_{W-1})                       (rank order)
     backward: dL/dx_r = sum_k (dL_k/dy)[rows of rank r]             (sum over ranks)
 
-    where ``L_k`` is the loss computed on rank k. The sum is a reduce-scatter, or
-    an all-reduce followed by taking this rank's rows where that is faster or the
-    backend lacks reduce-scatter: gloo's reduce-scatter is an all-reduce plus
-    copies (measured 2x slower than all-reduce, see benchmarks). Ranks may hold
-    different dim-0 sizes: inputs are padded to the largest size, gathered and
-    trimmed, and the backward pads, reduces and trims symmetrically.
+    where ``L_k`` is the loss computed on rank k. The sum is a reduce-scatter
+    (each rank receives only its rows: 1/W of an all-reduce's traffic on NCCL),
+    or, where the backend lacks it or ``use_reduce_scatter`` is False, an
+    all-reduce of the whole gradient followed by taking this rank's rows. Ranks
+    may hold different dim-0 sizes: inputs are padded to the largest size,
+    gathered and trimmed, and the backward pads, reduces and trims symmetrically.
     """
 
-    # None: by backend (all-reduce on gloo, reduce-scatter elsewhere); True/False force it.
-    use_reduce_scatter: bool | None = None
+    use_reduce_scatter: bool = True
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None):
@@ -113,10 +111,7 @@ class GatherLayer(torch.autograd.Function):
     @classmethod
     def backward(cls, ctx, grad_output: torch.Tensor):
         sizes, max_size = ctx.sizes, max(ctx.sizes)
-        use_reduce_scatter = cls.use_reduce_scatter
-        if use_reduce_scatter is None:
-            use_reduce_scatter = dist.get_backend(ctx.group) != "gloo"
-        if use_reduce_scatter:
+        if cls.use_reduce_scatter:
             stacked = _stack_padded(grad_output, sizes, copy=False)
             grad_input = stacked.new_empty((max_size, *grad_output.shape[1:]))
             try:
