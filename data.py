@@ -13,6 +13,7 @@ Three pieces make sample i look the same on 1 or N processes:
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -134,8 +135,9 @@ _AUGMENT_STREAM, _SHUFFLE_STREAM = 0, 1
 
 
 def derive_seed(*values: int) -> int:
-    """A well-mixed 63-bit seed from non-negative integers alone (no process state)."""
-    return int(np.random.SeedSequence(list(values)).generate_state(1, np.uint64)[0] >> 1)
+    """A well-mixed 63-bit seed from integers alone (no process state), in about a microsecond."""
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class TwoViews(torch.utils.data.Dataset):
