@@ -105,7 +105,8 @@ def augmentation_cost(items: int = 1000, image_size: int = 32, repeats: int = 5)
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats):
-        for name, views in variants.items():
+        order = list(variants.items())
+        for name, views in order if repeat % 2 else reversed(order):  # no position bias
             started = time.perf_counter()
             for index in range(items):
                 views[(repeat, index % len(views))]
