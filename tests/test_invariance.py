@@ -3,7 +3,7 @@
 Everything that usually makes the result depend on the world size is on: BatchNorm
 in the backbone and the projection head, random crops/flips/colour jitter, shuffling,
 momentum, and a dataset whose last global batch is short. float64, because a deep
-BatchNorm network amplifies the float32 rounding of a sum split 12 vs 6+6 to ~1e-2
+BatchNorm network amplifies the float32 rounding of a sum split 12 vs 6+6 to ~1e-1
 within a few steps (see README); in float64 the same amplification stays far below
 the 1e-9 tolerance. Each negative control removes one mechanism and must miss it by
 orders of magnitude.

@@ -6,7 +6,7 @@ Tolerances: float32 1e-5 (the same sums split 8 vs 4+4 round differently, ~1e-7
 per step, amplified over 12 steps); float64 1e-10 (same argument, 2^-29 x smaller).
 AdamW in float32 gets 1e-4: its step lr * m / (sqrt(v) + eps) has slope lr / eps
 = 1e5 in the gradient where |g| << eps, so a 1e-10 rounding difference in a
-near-zero gradient entry becomes ~1e-5 in that weight (measured: 4e-5..7e-5 in a
+near-zero gradient entry becomes ~1e-5 in that weight (measured: 2e-5..7e-5 in a
 handful of entries, everything else ~1e-7). In float64 AdamW meets 1e-10.
 """
 
