@@ -233,3 +233,31 @@ def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypa
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(trainer.TrainerError, match="WORLD_SIZE=2 but Accelerate runs one"):
         trainer._check_config(trainer.TrainConfig(), SingleProcessAccelerator())
+
+
+def test_resume_on_a_different_number_of_processes(tmp_path):
+    """A checkpoint from 1 process continues on 2 to the same model (float32 tolerance)."""
+    args = [
+        "--model",
+        "mlp",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "6",
+        "--save-every",
+        "3",
+        "--knn-k",
+        "0",
+    ]
+    launch(1, *args, "--output-dir", str(tmp_path / "one"))
+    launch(
+        2,
+        *args,
+        "--output-dir",
+        str(tmp_path / "two"),
+        "--resume-from",
+        str(tmp_path / "one" / "checkpoint-3"),
+    )
+    diff = max_abs_diff(str(tmp_path / "one" / "final"), str(tmp_path / "two" / "final"))
+    print(f"1 process, resumed on 2: max abs diff {diff:.3e}")
+    assert diff <= EXACT["float32"]
