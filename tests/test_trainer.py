@@ -187,20 +187,15 @@ def test_bad_input_missing_image_column(tmp_path, small_image_folder):
     _assert_one_line_error(result, "no image column 'photo'", 2)
 
 
+def _checkpointing_run(max_steps: int, save_every: int) -> list[str]:
+    return (
+        f"--model mlp --batch-size 8 --max-steps {max_steps} --save-every {save_every} --knn-k 0"
+    ).split()
+
+
 @pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file"])
 def test_bad_input_damaged_checkpoint(tmp_path, damage):
-    args = [
-        "--model",
-        "mlp",
-        "--batch-size",
-        "8",
-        "--max-steps",
-        "2",
-        "--save-every",
-        "2",
-        "--knn-k",
-        "0",
-    ]
+    args = _checkpointing_run(max_steps=2, save_every=2)
     launch(1, *args, "--output-dir", str(tmp_path / "run"))
     checkpoint = tmp_path / "damaged"
     shutil.copytree(tmp_path / "run" / "checkpoint-2", checkpoint)
@@ -237,18 +232,7 @@ def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypa
 
 def test_resume_on_a_different_number_of_processes(tmp_path):
     """A checkpoint from 1 process continues on 2 to the same model (float32 tolerance)."""
-    args = [
-        "--model",
-        "mlp",
-        "--batch-size",
-        "8",
-        "--max-steps",
-        "6",
-        "--save-every",
-        "3",
-        "--knn-k",
-        "0",
-    ]
+    args = _checkpointing_run(max_steps=6, save_every=3)
     launch(1, *args, "--output-dir", str(tmp_path / "one"))
     launch(
         2,
