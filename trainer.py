@@ -160,9 +160,14 @@ def train(config: TrainConfig) -> dict[str, float]:
     step = 0
     if config.resume_from:
         step = _load_checkpoint(accelerator, config)
-    knn_data = _knn_data(eval_set, train_set, image_column, label_column, config)
+    # Every rank must agree on when to evaluate (it ends in a barrier); only the main
+    # process evaluates, so only it prepares the images.
+    evaluate = eval_set is not None and config.knn_k > 0
+    knn_data = None
+    if evaluate and accelerator.is_main_process:
+        knn_data = _knn_data(eval_set, train_set, image_column, label_column, config)
     metrics: dict[str, float] = {}
-    if step == 0 and knn_data:
+    if step == 0 and evaluate:
         metrics["knn_top1_init"] = _evaluate(accelerator, model, knn_data, config, step)
 
     # Loop
@@ -213,7 +218,7 @@ def train(config: TrainConfig) -> dict[str, float]:
             if config.save_every and step % config.save_every == 0:
                 _save_checkpoint(accelerator, config, step)
             if (
-                knn_data
+                evaluate
                 and config.eval_every
                 and step % config.eval_every == 0
                 and step < total_steps
@@ -224,7 +229,7 @@ def train(config: TrainConfig) -> dict[str, float]:
     progress.close()
 
     # Save
-    if knn_data:
+    if evaluate:
         metrics["knn_top1"] = _evaluate(accelerator, model, knn_data, config, step)
     _save_final_model(accelerator, model, config)
     if accelerator.is_main_process:
@@ -387,9 +392,7 @@ def _save_final_model(accelerator: Accelerator, model, config: TrainConfig) -> N
 # encoder features (Wu et al., 2018), a standard probe of representation quality.
 
 
-def _knn_data(eval_set, train_set, image_column, label_column, config: TrainConfig):
-    if eval_set is None or config.knn_k < 1:
-        return None
+def _knn_data(eval_set, train_set, image_column, label_column, config: TrainConfig) -> dict:
     bank = train_set.select(range(min(len(train_set), 10_000)))
     return {
         "bank_images": evaluation_images(bank, image_column, config.image_size),

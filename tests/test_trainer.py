@@ -130,11 +130,13 @@ def test_resume_mid_epoch_matches_straight_run(tmp_path, small_image_folder, num
     assert (straight / "checkpoint-8" / "trainer_state.json").exists()
 
 
-def test_default_dataset_reports_knn_before_and_after(tmp_path):
-    result = launch(
-        1, "--max-steps", "2", "--batch-size", "16", "--knn-k", "5", "--output-dir", str(tmp_path)
-    )
-    assert "random init" in result.stdout and "trained" in result.stdout, result.stdout
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_default_dataset_reports_knn_before_and_after(tmp_path, num_processes):
+    """The main process evaluates (also mid-run) while the others wait for it."""
+    args = "--max-steps 2 --eval-every 1 --batch-size 16 --knn-k 5".split()
+    result = launch(num_processes, *args, "--output-dir", str(tmp_path))
+    assert result.stdout.count("random init") == 1, result.stdout  # printed once, by rank 0
+    assert "trained" in result.stdout
     assert (tmp_path / "final" / "model.safetensors").exists()
     assert (tmp_path / "final" / "config.json").exists()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
