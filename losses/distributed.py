@@ -127,13 +127,11 @@ class GatherLayer(torch.autograd.Function):
 def _stack_padded(grad_output: torch.Tensor, sizes: list[int], copy: bool) -> torch.Tensor:
     """Every rank's rows padded to the largest size; a fresh tensor when ``copy``."""
     max_size = max(sizes)
-    if all(size == max_size for size in sizes):
-        return (
-            grad_output.clone(memory_format=torch.contiguous_format)
-            if copy
-            else (grad_output.contiguous())
-        )
-    return torch.cat([_pad_rows(chunk, max_size) for chunk in grad_output.split(sizes)])
+    if any(size != max_size for size in sizes):
+        return torch.cat([_pad_rows(chunk, max_size) for chunk in grad_output.split(sizes)])
+    if copy:
+        return grad_output.clone(memory_format=torch.contiguous_format)
+    return grad_output.contiguous()
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
