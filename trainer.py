@@ -28,7 +28,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from data import (
+from contrastive_accelerate.data import (
     DataError,
     GlobalBatchSampler,
     TwoViews,
@@ -36,7 +36,7 @@ from data import (
     evaluation_images,
     load_image_dataset,
 )
-from lars import LARS
+from contrastive_accelerate.lars import LARS
 from losses import NTXentLoss
 from models import BACKBONES, SimCLR, convert_sync_batchnorm
 

@@ -15,8 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from contrastive_accelerate.testing import run_on_ranks
 from losses import GatherLayer
-from losses.testing import run_on_ranks
 
 
 class AllReduceGather(GatherLayer):

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from data import TwoViews, derive_seed, load_image_dataset
+from contrastive_accelerate.data import TwoViews, derive_seed, load_image_dataset
 from losses import NTXentLoss
 from models import SimCLR
 from trainer import TrainConfig, train

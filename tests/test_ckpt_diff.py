@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckpt_diff import compare, main, max_abs_diff
+from contrastive_accelerate.ckpt_diff import compare, main, max_abs_diff
 
 
 def _save(path, **tensors):

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from data import DataError, GlobalBatchSampler, TwoViews, batches_per_epoch, load_image_dataset
+from contrastive_accelerate.data import (
+    DataError,
+    GlobalBatchSampler,
+    TwoViews,
+    batches_per_epoch,
+    load_image_dataset,
+)
 
 from launch import make_image_folder
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contrastive_accelerate.testing import run_on_ranks
 from losses import GatherLayer, gather
-from losses.testing import run_on_ranks
 
 FEATURES = (3, 2)  # trailing shape: more than one trailing dim on purpose
 EXACT = 1e-10  # float64: the gather moves values, so only summation order differs

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_diff import max_abs_diff
+from contrastive_accelerate.ckpt_diff import max_abs_diff
 
 from launch import launch, make_image_folder
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import losses.ntxent
+from contrastive_accelerate.testing import run_on_ranks
 from losses import NTXentLoss
-from losses.testing import run_on_ranks
 
 from test_gather import GATHERS
 

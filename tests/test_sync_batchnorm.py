@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from losses.testing import run_on_ranks
+from contrastive_accelerate.testing import run_on_ranks
 from models import SyncBatchNorm, convert_sync_batchnorm
 
 EXACT = 1e-10  # float64; only summation order differs from nn.BatchNorm

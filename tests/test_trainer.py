@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 import trainer
-from ckpt_diff import max_abs_diff
+from contrastive_accelerate.ckpt_diff import max_abs_diff
 
 from launch import launch, make_image_folder
 
