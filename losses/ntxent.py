@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from losses.distributed import all_gather_sizes, gather, is_distributed
+from losses.precision import autocast_off, compute_dtype
 
 _SHAPE_MISMATCH, _NOT_2D, _NOT_FINITE = 1, 2, 3
 _PROBLEMS = {
@@ -26,6 +27,10 @@ class NTXentLoss(nn.Module):
     ``s_ij = z_i . z_j / temperature`` and ``p(i)`` the other view of sample i::
 
         loss = 1/(2N) * sum_i [ -s_{i,p(i)} + log sum_{j != i} exp(s_ij) ]
+
+    Inputs of any floating dtype, inside or outside autocast: the similarities,
+    log-sum-exp and the loss are computed in float32 (float64 stays float64), and
+    the gradient is returned in the input's dtype.
 
     Each rank computes the rows of its own 2n samples against all 2N gathered
     columns, never the full 2N x 2N matrix, with one similarity matmul over both
@@ -88,20 +93,23 @@ class NTXentLoss(nn.Module):
                 "needed so that every sample has a negative"
             )
 
-        z0, z1 = F.normalize(out0, dim=1), F.normalize(out1, dim=1)
-        local = torch.cat([z0, z1])  # rows 0..n-1: first views, n..2n-1: second views
-        if world_size > 1:
-            keys = gather(local, sizes=[2 * size for size in sizes])
-        else:
-            keys = local
-        self_offset = 2 * sum(sizes[:rank])
-        tile_rows = self.tile_rows or _auto_tile_rows(local, keys, self.dense_max_bytes)
-        log_denominator = _LogSumExpOverNegatives.apply(
-            local / self.temperature, keys, self_offset, tile_rows
-        )
-        positive = (z0 * z1).sum(dim=1) / self.temperature
-        local_sum = log_denominator.sum() - 2 * positive.sum()
-        return local_sum * (world_size / (2 * global_pairs))
+        dtype = compute_dtype(out0, out1)
+        with autocast_off(out0.device):
+            z0 = F.normalize(out0.to(dtype), dim=1)
+            z1 = F.normalize(out1.to(dtype), dim=1)
+            local = torch.cat([z0, z1])  # rows 0..n-1: first views, n..2n-1: second views
+            if world_size > 1:
+                keys = gather(local, sizes=[2 * size for size in sizes])
+            else:
+                keys = local
+            self_offset = 2 * sum(sizes[:rank])
+            tile_rows = self.tile_rows or _auto_tile_rows(local, keys, self.dense_max_bytes)
+            log_denominator = _LogSumExpOverNegatives.apply(
+                local / self.temperature, keys, self_offset, tile_rows
+            )
+            positive = (z0 * z1).sum(dim=1) / self.temperature
+            local_sum = log_denominator.sum() - 2 * positive.sum()
+            return local_sum * (world_size / (2 * global_pairs))
 
 
 def _check_local(out0: torch.Tensor, out1: torch.Tensor) -> tuple[int, str] | None:
@@ -154,16 +162,18 @@ class _LogSumExpOverNegatives(torch.autograd.Function):
         grad_queries = torch.empty_like(queries)
         grad_keys = torch.zeros_like(keys)
         saved_logits, ctx.saved_logits = ctx.saved_logits, None  # consumed in place below
-        for start in range(0, queries.shape[0], ctx.tile_rows):
-            stop = start + ctx.tile_rows
-            if saved_logits is not None:
-                probs = saved_logits
-            else:
-                probs = _masked_logits(queries, keys, ctx.self_offset, start, ctx.tile_rows)
-            probs.sub_(log_denominator[start:stop, None]).exp_()
-            probs.mul_(grad_log_denominator[start:stop, None])
-            torch.mm(probs, keys, out=grad_queries[start:stop])
-            grad_keys.addmm_(probs.T, queries[start:stop])
+        # Backward may run inside the caller's autocast block: keep float32 here too.
+        with autocast_off(queries.device):
+            for start in range(0, queries.shape[0], ctx.tile_rows):
+                stop = start + ctx.tile_rows
+                if saved_logits is not None:
+                    probs = saved_logits
+                else:
+                    probs = _masked_logits(queries, keys, ctx.self_offset, start, ctx.tile_rows)
+                probs.sub_(log_denominator[start:stop, None]).exp_()
+                probs.mul_(grad_log_denominator[start:stop, None])
+                torch.mm(probs, keys, out=grad_queries[start:stop])
+                grad_keys.addmm_(probs.T, queries[start:stop])
         return grad_queries, grad_keys, None, None
 
 

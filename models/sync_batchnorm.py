@@ -26,6 +26,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
     backward: with ``xhat = (x - mu) * invstd`` and sums over all ranks from one
     all-reduce, ``dx = w invstd (dy - sum(dy)/M - xhat sum(dy xhat)/M)``; the
     weight and bias receive their local sums, which DDP then combines.
+
+    Mixed precision: half-precision input (bfloat16/float16, e.g. a convolution's
+    output under autocast) is normalised in float32 and returned in its own dtype,
+    as ``nn.BatchNorm`` does; gradients come back in the dtype of their tensor.
     """
 
     @staticmethod
@@ -55,28 +59,31 @@ class SyncBatchNormFunction(torch.autograd.Function):
         m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
         invstd = torch.rsqrt(m2 / count + eps)
 
-        mean_x, invstd_x = mean.to(x.dtype), invstd.to(x.dtype)
-        output = (x - _expand(mean_x, x)) * _expand(invstd_x, x)
+        dtype = _compute_dtype(x)
+        mean_c, invstd_c = mean.to(dtype), invstd.to(dtype)
+        output = (x.to(dtype) - _expand(mean_c, x)) * _expand(invstd_c, x)
         if weight is not None:
-            output = output * _expand(weight, x) + _expand(bias, x)
-        ctx.save_for_backward(x, weight, mean_x, invstd_x)
+            output = output * _expand(weight.to(dtype), x) + _expand(bias.to(dtype), x)
+        ctx.save_for_backward(x, weight, mean_c, invstd_c)
         ctx.count, ctx.group, ctx.reduce_dims = count.item(), group, reduce_dims
-        # Returned for the running statistics: the unbiased variance of the global batch.
-        unbiased_var = (m2 / (count - 1)).to(x.dtype)
-        ctx.mark_non_differentiable(mean_x, unbiased_var)
-        return output, mean_x, unbiased_var
+        # For the running statistics: the mean and unbiased variance of the global batch,
+        # in float64; the caller stores them in its buffers' dtype.
+        unbiased_var = m2 / (count - 1)
+        ctx.mark_non_differentiable(mean, unbiased_var)
+        return output.to(x.dtype), mean, unbiased_var
 
     @staticmethod
     def backward(ctx, grad_output, _grad_mean, _grad_var):
         x, weight, mean, invstd = ctx.saved_tensors
-        reduce_dims = ctx.reduce_dims
-        xhat = (x - _expand(mean, x)) * _expand(invstd, x)
+        reduce_dims, dtype = ctx.reduce_dims, mean.dtype
+        grad_output = grad_output.to(dtype)
+        xhat = (x.to(dtype) - _expand(mean, x)) * _expand(invstd, x)
         local_sum_dy = grad_output.sum(reduce_dims)
         local_sum_dy_xhat = (grad_output * xhat).sum(reduce_dims)
         sums = torch.cat([local_sum_dy, local_sum_dy_xhat])
         dist.all_reduce(sums, group=ctx.group)
         sum_dy, sum_dy_xhat = sums.chunk(2)
-        scale = invstd if weight is None else invstd * weight
+        scale = invstd if weight is None else invstd * weight.to(dtype)
         grad_input = _expand(scale, x) * (
             grad_output
             - _expand(sum_dy / ctx.count, x)
@@ -84,8 +91,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
         )
         grad_weight = grad_bias = None
         if weight is not None:
-            grad_weight, grad_bias = local_sum_dy_xhat, local_sum_dy
-        return grad_input, grad_weight, grad_bias, None, None
+            grad_weight = local_sum_dy_xhat.to(weight.dtype)
+            grad_bias = local_sum_dy.to(weight.dtype)
+        return grad_input.to(x.dtype), grad_weight, grad_bias, None, None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision input, else the input's own dtype."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _expand(per_channel: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -99,7 +112,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     global batch and updates ``running_mean``/``running_var`` exactly as a
     single-process BatchNorm on the concatenated batch would (unbiased variance
     with the global count). Ranks may hold different batch sizes, including none.
-    Eval mode, or no process group: plain ``F.batch_norm``.
+    Eval mode, or no process group: plain ``F.batch_norm``. Under mixed precision the
+    output has the input's dtype and the running statistics stay in the buffers'
+    dtype (float32), as with ``nn.BatchNorm``.
 
     Example::
 
@@ -139,9 +154,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             input, self.weight, self.bias, self.eps, self.process_group
         )
         if self.training and self.track_running_stats:
-            with torch.no_grad():
-                self.running_mean.lerp_(mean, momentum)
-                self.running_var.lerp_(unbiased_var, momentum)
+            with torch.no_grad():  # in the buffers' own dtype, as nn.BatchNorm keeps them
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+                self.running_var.lerp_(unbiased_var.to(self.running_var.dtype), momentum)
         return output
 
 

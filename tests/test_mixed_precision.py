@@ -1,0 +1,206 @@
+"""Every numeric primitive under ``torch.autocast`` bf16 on CPU, on 1 process and on 2 gloo ranks.
+
+What is exact and what is not:
+- NT-Xent computes in float32 whatever autocast says, so inside an autocast block on
+  float32 embeddings it equals the float32 loss exactly (tolerance 1e-6: the same
+  float32 operations in the same order), and on bfloat16 embeddings it equals the
+  float32 loss of those bf16 values upcast (same argument); its gradient comes back
+  in bfloat16, within one bf16 rounding (relative 2^-8) of that float32 gradient.
+- SyncBatchNorm on bfloat16 activations (a convolution's output under autocast)
+  matches ``nn.BatchNorm`` on the concatenated batch under the same autocast: both
+  normalise in float32 and round the output to bfloat16 once, so they agree within
+  2 bf16 rounding steps of the output (|y| <= 4 here: 2 * 4 * 2^-8 = 0.03125). Their
+  running statistics stay float32 and agree to float32 rounding (1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from contrastive_accelerate.testing import run_on_ranks
+from losses import NTXentLoss, gather
+from models import SyncBatchNorm, convert_sync_batchnorm
+
+TEMPERATURE = 0.1  # a small temperature is where bf16 similarities hurt most
+FLOAT32_SAME_OPS = 1e-6
+BF16_STEP = 2.0**-8  # relative rounding of a bfloat16 value (8 significant bits)
+
+
+def _embeddings(rows: int, features: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    out0 = torch.randn(rows, features, generator=generator)
+    return out0, out0 + 0.3 * torch.randn(rows, features, generator=generator)
+
+
+def _loss_and_grad(loss_fn, out0, out1, autocast: bool):
+    out0, out1 = out0.clone().requires_grad_(), out1.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = loss_fn(out0, out1)
+        loss.backward()  # inside the block, as in Accelerate's examples
+    return loss.detach(), out0.grad
+
+
+def _naive_ntxent(out0, out1):
+    """NT-Xent as commonly written: no float32 island, so autocast runs the matmul in bf16."""
+    z = F.normalize(torch.cat([out0, out1]), dim=1)
+    logits = z @ z.T / TEMPERATURE
+    logits = logits.masked_fill(torch.eye(len(z), dtype=torch.bool), float("-inf"))
+    n = len(out0)
+    targets = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return F.cross_entropy(logits.float(), targets)
+
+
+def _max_abs(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def ntxent_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
+    out0, out1 = _embeddings(sum(sizes))
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    out0, out1 = out0[rows], out1[rows]
+    criterion = NTXentLoss(temperature=TEMPERATURE)
+    float32_loss, float32_grad = _loss_and_grad(criterion, out0, out1, autocast=False)
+    autocast_loss, autocast_grad = _loss_and_grad(criterion, out0, out1, autocast=True)
+
+    bf16_0, bf16_1 = out0.bfloat16(), out1.bfloat16()
+    bf16_loss, bf16_grad = _loss_and_grad(criterion, bf16_0, bf16_1, autocast=True)
+    upcast_loss, upcast_grad = _loss_and_grad(criterion, bf16_0.float(), bf16_1.float(), False)
+    return {
+        "autocast_loss_dtype": str(autocast_loss.dtype),
+        "autocast_vs_float32": max(
+            _max_abs(autocast_loss, float32_loss), _max_abs(autocast_grad, float32_grad)
+        ),
+        "bf16_grad_dtype": str(bf16_grad.dtype),
+        "bf16_loss_vs_upcast": _max_abs(bf16_loss, upcast_loss),
+        "bf16_grad_vs_upcast_relative": _max_abs(bf16_grad, upcast_grad)
+        / upcast_grad.abs().max().item(),
+        "bf16_loss_vs_float32": _max_abs(bf16_loss, float32_loss),
+    }
+
+
+@pytest.fixture(scope="module", params=[(1, [6]), (2, [4, 2])], ids=["1-process", "W2-uneven"])
+def ntxent_results(request):
+    world_size, sizes = request.param
+    if world_size == 1:
+        return [ntxent_worker(0, 1, sizes)]
+    return run_on_ranks(ntxent_worker, world_size, sizes)
+
+
+def test_ntxent_inside_autocast_equals_float32(ntxent_results):
+    worst = max(result["autocast_vs_float32"] for result in ntxent_results)
+    print(f"NT-Xent inside autocast vs float32: {worst:.3e}")
+    assert all(result["autocast_loss_dtype"] == "torch.float32" for result in ntxent_results)
+    assert worst <= FLOAT32_SAME_OPS
+
+
+def test_ntxent_on_bf16_embeddings_computes_in_float32(ntxent_results):
+    loss_error = max(result["bf16_loss_vs_upcast"] for result in ntxent_results)
+    grad_error = max(result["bf16_grad_vs_upcast_relative"] for result in ntxent_results)
+    drift = max(result["bf16_loss_vs_float32"] for result in ntxent_results)
+    print(
+        f"bf16 embeddings: loss vs float32 of the same values {loss_error:.3e}, "
+        f"gradient (relative) {grad_error:.3e}; vs the unrounded float32 inputs {drift:.3e}"
+    )
+    assert all(result["bf16_grad_dtype"] == "torch.bfloat16" for result in ntxent_results)
+    assert loss_error <= FLOAT32_SAME_OPS
+    assert grad_error <= BF16_STEP
+
+
+def test_negative_control_bf16_similarities_miss_float32():
+    """The float32 island is what makes the autocast result exact: without it, it is not."""
+    out0, out1 = _embeddings(1024)
+    float32_loss, _ = _loss_and_grad(_naive_ntxent, out0, out1, autocast=False)
+    autocast_loss, _ = _loss_and_grad(_naive_ntxent, out0, out1, autocast=True)
+    error = _max_abs(autocast_loss, float32_loss)
+    print(f"naive NT-Xent, autocast vs float32: {error:.3e}")
+    assert error > 100 * FLOAT32_SAME_OPS
+
+
+def test_gather_returns_bf16_gradients_unchanged():
+    x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (gather(x) * 2).sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, torch.full_like(x, 2))
+
+
+def sync_batchnorm_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(sum(sizes), 4, 3, 3, generator=generator) * 2 + 1).bfloat16()
+    upstream = torch.randn(x.shape, generator=generator).bfloat16()
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+
+    reference = nn.BatchNorm2d(4)
+    layer = convert_sync_batchnorm(nn.BatchNorm2d(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x_all = x.clone().requires_grad_()
+        y_all = reference(x_all)
+        (y_all.float() * upstream.float()).sum().backward()
+
+        x_local = x[rows].clone().requires_grad_()
+        y_local = layer(x_local)
+        (y_local.float() * upstream[rows].float()).sum().backward()
+    grads = torch.cat([layer.weight.grad, layer.bias.grad])
+    if world_size > 1:
+        dist.all_reduce(grads)  # what DDP does with the local parameter gradients
+    weight_grad, bias_grad = grads.chunk(2)
+
+    upcast = x.float()  # float32 statistics of the same bf16 values
+    return {
+        "dtypes": (str(y_local.dtype), str(x_local.grad.dtype), str(layer.running_mean.dtype)),
+        "output": _max_abs(y_local, y_all[rows]),
+        "input_grad_relative": _max_abs(x_local.grad, x_all.grad[rows])
+        / x_all.grad.abs().max().item(),
+        "param_grad_relative": max(
+            _max_abs(weight_grad, reference.weight.grad) / reference.weight.grad.abs().max(),
+            _max_abs(bias_grad, reference.bias.grad) / reference.bias.grad.abs().max(),
+        ).item(),
+        "running_mean": _max_abs(layer.running_mean, 0.1 * upcast.mean((0, 2, 3))),
+        "running_var": _max_abs(layer.running_var, 0.9 + 0.1 * upcast.var((0, 2, 3))),
+        "running_vs_batchnorm": max(
+            _max_abs(layer.running_mean, reference.running_mean),
+            _max_abs(layer.running_var, reference.running_var),
+        ),
+    }
+
+
+@pytest.fixture(scope="module", params=[(1, [5]), (2, [3, 2])], ids=["1-process", "W2-uneven"])
+def sync_batchnorm_results(request):
+    world_size, sizes = request.param
+    if world_size == 1:
+        # No process group: SyncBatchNorm is plain BatchNorm, which must hold the same rules.
+        return [sync_batchnorm_worker(0, 1, sizes)]
+    return run_on_ranks(sync_batchnorm_worker, world_size, sizes)
+
+
+def test_sync_batchnorm_under_autocast_matches_batchnorm(sync_batchnorm_results):
+    for result in sync_batchnorm_results:
+        assert result["dtypes"] == ("torch.bfloat16", "torch.bfloat16", "torch.float32")
+    worst = {
+        key: max(result[key] for result in sync_batchnorm_results)
+        for key in ("output", "input_grad_relative", "param_grad_relative")
+    }
+    print(
+        "SyncBatchNorm bf16 vs nn.BatchNorm: " + ", ".join(f"{k} {v:.3e}" for k, v in worst.items())
+    )
+    assert worst["output"] <= 2 * 4 * BF16_STEP
+    assert worst["input_grad_relative"] <= 2 * BF16_STEP
+    assert worst["param_grad_relative"] <= 1e-5
+
+
+def test_sync_batchnorm_running_statistics_stay_float32(sync_batchnorm_results):
+    worst = {
+        key: max(result[key] for result in sync_batchnorm_results)
+        for key in ("running_mean", "running_var", "running_vs_batchnorm")
+    }
+    print("running statistics: " + ", ".join(f"{k} {v:.3e}" for k, v in worst.items()))
+    assert max(worst.values()) <= 1e-5
+
+
+def test_sync_batchnorm_keeps_float32_buffers_for_bf16_input_without_autocast():
+    layer = SyncBatchNorm(4)
+    output = layer(torch.randn(6, 4).bfloat16())
+    assert output.dtype == torch.bfloat16 and layer.running_var.dtype == torch.float32
