@@ -5,7 +5,8 @@
 Each side is a ``.safetensors`` file or a directory holding ``model.safetensors``
 (a ``final/`` model or an Accelerate ``checkpoint-<step>/``). Prints the max
 absolute and relative difference of every tensor, names tensors missing on one
-side or with different shapes, and exits 1 when anything is over tolerance.
+side or with different shapes. Exit codes: 0 within tolerance, 1 over tolerance or
+different tensor sets, 2 unreadable input (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 
@@ -28,11 +30,16 @@ class TensorDiff:
 
 
 def load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (never a pickle: reading runs no code)."""
     if os.path.isdir(path):
         path = os.path.join(path, "model.safetensors")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no safetensors file at {path!r}")
-    return load_file(path)
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "unreadable"
+        raise ValueError(f"{path!r} is not a readable safetensors file: {reason}") from None
 
 
 def compare(path_a: str, path_b: str) -> list[TensorDiff]:
@@ -67,11 +74,18 @@ def max_abs_diff(path_a: str, path_b: str) -> float:
     return max(diff.max_abs for diff in diffs)
 
 
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("a")
     parser.add_argument("b")
-    parser.add_argument("--atol", type=float, default=1e-5, help="max allowed |a - b|")
+    parser.add_argument("--atol", type=_tolerance, default=1e-5, help="max allowed |a - b|")
     parser.add_argument("--quiet", action="store_true", help="print only the summary line")
     args = parser.parse_args(argv)
     try:

@@ -47,3 +47,29 @@ def test_missing_file_is_one_line_error(tmp_path, capsys):
         main([str(tmp_path / "x"), str(tmp_path / "y")])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: no safetensors file")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x80\x04\x95 not safetensors", "is not a readable safetensors file"),
+        (b"", "is not a readable safetensors file"),
+    ],
+    ids=["pickle-like bytes", "empty file"],
+)
+def test_unreadable_input_is_exit_2_not_over_tolerance(tmp_path, capfd, content, message):
+    good = _save(tmp_path / "good", w=torch.zeros(3))
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main([good, str(damaged)])
+    assert exit_info.value.code == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_bad_tolerance_is_a_usage_error(tmp_path, capfd):
+    good = _save(tmp_path / "good", w=torch.zeros(3))
+    with pytest.raises(SystemExit) as exit_info:
+        main([good, good, "--atol", "nan"])
+    assert exit_info.value.code == 2
