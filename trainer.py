@@ -2,6 +2,7 @@
 
     accelerate launch trainer.py                                    # one process, digits
     accelerate launch --config_file accelerate_configs/cpu_2_processes.yaml trainer.py
+    accelerate launch trainer.py --config run.yaml --lr 0.1         # a file, a flag overriding it
     from trainer import TrainConfig, train                          # inside your own pipeline
 
 ``--batch-size`` is the *global* batch: the same command line trains the same
@@ -10,39 +11,56 @@ model on any number of processes (see README for the measured tolerances).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import datetime
 import math
 import os
-import shutil
+import re
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.tracking import GeneralTracker
-from accelerate.utils import DataLoaderConfiguration, set_seed
+import torch.distributed as dist
+from accelerate import Accelerator, DistributedType
+from accelerate.data_loader import prepare_data_loader
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from contrastive_accelerate.checkpoint import (
+    CheckpointError,
+    RunDirectory,
+    load_checkpoint,
+    load_model_state,
+    load_optimizer_state,
+    save_checkpoint,
+    save_final_model,
+)
+from contrastive_accelerate.config import ConfigError, option, parse_args, resume_rules, validate
 from contrastive_accelerate.data import (
     DataError,
     GlobalBatchSampler,
     TwoViews,
     batches_per_epoch,
-    evaluation_images,
     load_image_dataset,
 )
+from contrastive_accelerate.knn import KnnData, knn_data, knn_top1
 from contrastive_accelerate.lars import LARS
+from contrastive_accelerate.preemption import EXIT_PREEMPTED, StopSignals, ignore_stop_signals
+from contrastive_accelerate.ranks import (
+    any_rank,
+    on_main_process,
+    raise_together,
+    settle_before_exit,
+)
 from losses import NTXentLoss
 from models import BACKBONES, SimCLR, convert_sync_batchnorm
 
 OPTIMIZERS = ("sgd", "adamw", "lars")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-STATE_FILE = "trainer_state.json"
+REPORT_TO = ("none", "tensorboard", "wandb", "all")
 
 
 class TrainerError(ValueError):
@@ -51,87 +69,247 @@ class TrainerError(ValueError):
 
 @dataclass
 class TrainConfig:
-    dataset: str | None = None  # hub name or local path for datasets.load_dataset; None: digits
-    image_column: str | None = None  # None: the first of image / img / pixel_values
-    image_size: int | None = None  # None: 8 for the default digits (their size), else 32
-    model: str = "resnet18"
-    batch_size: int = 128  # global: split across processes
-    epochs: int = 30
-    max_steps: int | None = None  # overrides epochs
-    drop_last: bool = False
-    optimizer: str = "sgd"
-    lr: float = 0.03  # SGD: 0.06 x batch / 256 (lightly's CIFAR-10 recipe)
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    warmup_steps: int = 10
-    temperature: float = 0.5
-    augment: bool = True
-    # RandomResizedCrop's smallest area fraction. None: 0.5 for the 8x8 digits (a 20% crop
-    # keeps ~3x3 of their pixels, and kNN fell below the random-init encoder), else 0.2
-    # (SimCLR's CIFAR setting).
-    crop_min_scale: float | None = None
-    dtype: str = "float32"
-    seed: int = 0
-    num_workers: int = 0
-    output_dir: str = "runs/simclr"
-    save_every: int = 0  # steps between checkpoints; 0: none
-    resume_from: str | None = None
-    eval_every: int = 0  # steps between kNN evaluations; 0: at start and end only
-    knn_k: int = 20
-    log_every: int = 10
-    gather: bool = True  # False: each rank uses only local negatives (a different objective)
-    loss_tile_rows: int | None = None  # None: dense until the logits pass 1 GiB, then tiled
-    sync_batchnorm: bool = True  # BatchNorm statistics over the global batch when W > 1
-    # The two below exist to reproduce what breaks world-size invariance elsewhere:
-    augmentation_seeding: str = "per-sample"  # or "per-process": seed + rank, global RNG
-    data_sharding: str = "exact"  # or "accelerate": Accelerate pads short batches (even_batches)
+    """Every option of a run. Each field is also a ``--flag`` and a config-file key;
+    ``resume`` says whether a resumed run may change it (see ``contrastive_accelerate.config``)."""
 
-
-def train(config: TrainConfig) -> dict[str, float]:
-    """Train SimCLR as ``config`` says; returns the final metrics."""
-    # Without an accelerator, Accelerate launched with several processes reports
-    # DistributedType.NO unless told to use the CPU: every process would train alone.
-    accelerator = Accelerator(
-        cpu=not torch.accelerator.is_available(),
-        log_with=_trackers(config.output_dir),
-        project_dir=config.output_dir,
-        # Used only by --data-sharding accelerate: each rank takes a slice of a global batch.
-        dataloader_config=DataLoaderConfiguration(split_batches=True),
+    # Data
+    dataset: str | None = option(
+        None,
+        "hub name, local dataset directory or image folder (datasets.load_dataset), "
+        "save_to_disk directory, or one .parquet/.csv/.json(l) file; none: scikit-learn's "
+        "8x8 digits, offline",
+        resume="refuse",
     )
-    digits = config.dataset is None
-    if config.image_size is None:
-        config = dataclasses.replace(config, image_size=8 if digits else 32)
-    if config.crop_min_scale is None:
-        config = dataclasses.replace(config, crop_min_scale=0.5 if digits else 0.2)
-    _check_config(config, accelerator)
-    world_size = accelerator.num_processes
-    dtype = DTYPES[config.dtype]
-    accelerator.init_trackers("simclr", config=dataclasses.asdict(config))
-    set_seed(config.seed)  # identical initial weights on every rank
+    dataset_config: str | None = option(
+        None, "the dataset's configuration (load_dataset's name=)", resume="refuse"
+    )
+    split: str = option("train", "the split to train on", resume="refuse")
+    image_column: str | None = option(
+        None, "none: the first of image, img, pixel_values", resume="refuse"
+    )
+    label_column: str | None = option(
+        None,
+        "labels for kNN evaluation; none: the first of label, labels, fine_label",
+        resume="refuse",
+    )
+    eval_split: str = option(
+        "auto",
+        "kNN evaluation split: auto (the first of test, validation, valid, val) or a name",
+        resume="free",
+    )
+    eval_holdout: float = option(
+        0.2,
+        "fraction of the training split held out for kNN evaluation when the dataset has no "
+        "evaluation split (printed at start-up); 0 trains on every image",
+        resume="refuse",
+        at_least=0.0,
+        below=1.0,
+    )
+    image_size: int | None = option(
+        None, "none: 8 for the default digits (their size), else 32", resume="refuse", at_least=1
+    )
+    augment: bool = option(True, "SimCLR's random augmentations", resume="refuse")
+    crop_min_scale: float | None = option(
+        None,
+        "smallest RandomResizedCrop area fraction; none: 0.5 for the 8x8 digits (a 20% crop "
+        "keeps ~3x3 of their pixels), else 0.2 (SimCLR's CIFAR setting)",
+        resume="refuse",
+        above=0.0,
+        at_most=1.0,
+    )
+    skip_bad_images: bool = option(
+        False,
+        "skip unreadable images (the same ones on every rank, so invariance and resume hold) "
+        "instead of stopping with an error naming the file",
+        resume="refuse",
+    )
+    num_workers: int = option(0, "DataLoader worker processes", resume="free", at_least=0)
+    # Model and loss
+    model: str = option("resnet18", "encoder", resume="refuse", choices=BACKBONES)
+    dtype: str = option(
+        "float32",
+        "parameter dtype; float64 for exactness checks (mixed precision is Accelerate's "
+        "--mixed_precision)",
+        resume="refuse",
+        choices=tuple(DTYPES),
+    )
+    temperature: float = option(0.5, "NT-Xent temperature", resume="apply", above=0.0)
+    loss_tile_rows: int | None = option(
+        None,
+        "rows of the loss computed at a time; none: dense until the logits pass 1 GiB",
+        resume="free",
+        at_least=1,
+    )
+    sync_batchnorm: bool = option(
+        True, "BatchNorm statistics over the global batch when W > 1", resume="refuse"
+    )
+    gather: bool = option(
+        True,
+        "--no-gather: negatives from the local batch only (a different objective; a control)",
+        resume="refuse",
+    )
+    # Optimisation
+    batch_size: int = option(
+        128, "global batch size (pairs), split across processes", resume="refuse", at_least=2
+    )
+    epochs: int = option(30, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
+    max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
+    drop_last: bool = option(False, "drop each epoch's short last batch", resume="refuse")
+    optimizer: str = option("sgd", "optimizer", resume="refuse", choices=OPTIMIZERS)
+    lr: float = option(
+        0.03,
+        "peak learning rate; SGD: 0.06 x batch / 256 (lightly's CIFAR-10 recipe)",
+        resume="apply",
+        above=0.0,
+    )
+    momentum: float = option(0.9, "SGD / LARS momentum", resume="apply", at_least=0.0, below=1.0)
+    weight_decay: float = option(5e-4, "weight decay", resume="apply", at_least=0.0)
+    warmup_steps: int = option(
+        10, "linear warm-up steps, then cosine decay", resume="apply", at_least=0
+    )
+    seed: int = option(
+        0, "seed of the weights, the data order and every augmentation", resume="refuse", at_least=0
+    )
+    # Run
+    output_dir: str = option("runs/simclr", "checkpoints, final model, metrics", resume="free")
+    overwrite_output_dir: bool = option(
+        False, "replace another run's checkpoints and final model in --output-dir", resume="free"
+    )
+    resume_from: str | None = option(
+        None,
+        "a checkpoint directory, or 'latest': the newest complete checkpoint in --output-dir "
+        "(a fresh start if there is none), so a requeued job can repeat its command line",
+        resume="free",
+    )
+    save_every: int = option(0, "steps between checkpoints; 0: none", resume="free", at_least=0)
+    save_total_limit: int | None = option(
+        None, "keep only the newest N checkpoints; none: all", resume="free", at_least=1
+    )
+    eval_every: int = option(
+        0, "steps between kNN evaluations; 0: at start and end only", resume="free", at_least=0
+    )
+    knn_k: int = option(
+        20, "neighbours of the kNN evaluation; 0: no evaluation", resume="free", at_least=0
+    )
+    log_every: int = option(10, "steps between logged losses", resume="free", at_least=1)
+    report_to: str = option(
+        "none",
+        "trackers besides metrics.jsonl (Accelerate's log_with)",
+        resume="free",
+        choices=REPORT_TO,
+    )
+    collective_timeout: float | None = option(
+        None,
+        "seconds a collective may wait for a stalled rank before the job fails; none: "
+        "Accelerate's default (30 min on gloo, 10 min on NCCL)",
+        resume="free",
+        above=0.0,
+    )
+    # The two below exist to reproduce what breaks world-size invariance elsewhere:
+    augmentation_seeding: str = option(
+        "per-sample",
+        "per-sample (world-size invariant) or per-process (seed + rank, global RNG: a control)",
+        resume="refuse",
+        choices=("per-sample", "per-process"),
+    )
+    data_sharding: str = option(
+        "exact",
+        "exact (no padding) or accelerate (Accelerate's even_batches padding: a control)",
+        resume="refuse",
+        choices=("exact", "accelerate"),
+    )
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.overwrite_output_dir and self.resume_from:
+            raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
+
+
+@dataclass
+class TrainResult:
+    """What a pipeline needs after ``train``."""
+
+    model: SimCLR  # unwrapped, trained, on the accelerator's device
+    metrics: dict[str, float]
+    step: int
+    final_model_dir: str | None  # None when preempted
+    last_checkpoint: str | None  # the newest checkpoint this run wrote
+    preempted: str | None  # the signal that stopped the run after a checkpoint, if any
+
+
+def train(config: TrainConfig, accelerator: Accelerator | None = None) -> TrainResult:
+    """Train SimCLR as ``config`` says.
+
+    ``accelerator``: pass yours to train inside your own pipeline; its mixed precision
+    and trackers apply, and ``train`` leaves its trackers and process group alone, so
+    you can call ``train`` again or run collectives of your own afterwards. ``None``:
+    one is made from ``config`` (``--report-to``, ``--collective-timeout``).
+    """
+    own_accelerator = accelerator is None
+    if own_accelerator:
+        accelerator = _make_accelerator(config)
+    _check_launch(config, accelerator, own_accelerator)
+    # The output directory belongs to one run at a time (a lock the OS drops on exit).
+    run = RunDirectory(config.output_dir)
+    resume_path = on_main_process(
+        run.claim, config.resume_from, config.overwrite_output_dir, errors=(CheckpointError,)
+    )
+    prepared = len(accelerator._models), len(accelerator._optimizers)
+    try:
+        return _train(config, accelerator, run, resume_path, own_accelerator)
+    finally:
+        run.release()
+        if own_accelerator:
+            for tracker in accelerator.trackers:
+                tracker.finish()
+        # Accelerate keeps every object it prepared; a pipeline calling train() again
+        # with the same accelerator must not keep this run's model and optimizer alive.
+        del accelerator._models[prepared[0] :], accelerator._optimizers[prepared[1] :]
+
+
+def _train(
+    config: TrainConfig,
+    accelerator: Accelerator,
+    run: RunDirectory,
+    resume_path: str | None,
+    own_accelerator: bool,
+) -> TrainResult:
+    """The run itself, top to bottom: config, data, model, optimizer, loop, save."""
+    config = _with_dataset_defaults(config)
+    world_size, dtype = accelerator.num_processes, DTYPES[config.dtype]
 
     # Data: the global batch and each sample's augmentation depend on (seed, epoch, index) only.
-    train_set, eval_set, image_column, label_column = load_image_dataset(
-        config.dataset, config.image_column
+    data = load_image_dataset(
+        config.dataset,
+        config_name=config.dataset_config,
+        split=config.split,
+        image_column=config.image_column,
+        label_column=config.label_column,
+        eval_split=config.eval_split,
+        eval_holdout=config.eval_holdout,
+        evaluate=config.knn_k > 0,
     )
+    accelerator.print(data.evaluation_source)
     per_sample_seed = config.augmentation_seeding == "per-sample"
     views = TwoViews(
-        train_set,
-        image_column,
+        data.train,
+        data.image_column,
         config.image_size,
         config.seed,
         config.augment,
         per_sample_seed=per_sample_seed,
         crop_min_scale=config.crop_min_scale,
     )
-    steps_per_epoch = batches_per_epoch(len(train_set), config.batch_size, config.drop_last)
+    steps_per_epoch = batches_per_epoch(len(data.train), config.batch_size, config.drop_last)
     if steps_per_epoch == 0:
         raise TrainerError(
-            f"--batch-size {config.batch_size} exceeds the {len(train_set)} training samples "
+            f"--batch-size {config.batch_size} exceeds the {len(data.train)} training samples "
             "with --drop-last"
         )
     total_steps = config.max_steps or config.epochs * steps_per_epoch
 
     # Model, loss, optimizer
+    set_seed(config.seed)  # identical initial weights on every rank
     model = SimCLR(backbone=config.model, image_size=config.image_size).to(dtype)
     if world_size > 1 and config.sync_batchnorm:
         model = convert_sync_batchnorm(model)
@@ -150,25 +328,46 @@ def train(config: TrainConfig) -> dict[str, float]:
         tile_rows=config.loss_tile_rows,
     )
     optimizer = _optimizer(config, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _warmup_cosine(config.warmup_steps, total_steps)
-    )
     model, optimizer = accelerator.prepare(model, optimizer)
-    # Not prepared: Accelerate would step it once per process per step.
-    accelerator.register_for_checkpointing(scheduler)
+    learning_rate = _warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
+    # Resume: model and optimizer state; the step gives the data position and the lr.
     step = 0
-    if config.resume_from:
-        step = _load_checkpoint(accelerator, config)
-    # Every rank must agree on when to evaluate (it ends in a barrier); only the main
-    # process evaluates, so only it prepares the images.
-    evaluate = eval_set is not None and config.knn_k > 0
-    knn_data = None
-    if evaluate and accelerator.is_main_process:
-        knn_data = _knn_data(eval_set, train_set, image_column, label_column, config)
+    if resume_path:
+        step = _resume(accelerator, model, optimizer, resume_path, config, len(data.train))
+    if step >= total_steps:
+        raise TrainerError(
+            f"nothing to train: the checkpoint is at step {step} and the run ends at step "
+            f"{total_steps}; raise --max-steps or --epochs"
+        )
+    run_state = {
+        "config": dataclasses.asdict(config),
+        "train_samples": len(data.train),
+        "world_size": world_size,
+    }
+    if accelerator.is_main_process:
+        run.log({"start_step": step, **run_state})
+    if own_accelerator:
+        accelerator.init_trackers("simclr", config=_flat_for_trackers(config))
+    # Every rank agrees on when to evaluate (the main process evaluates, the others
+    # wait at a barrier), so only the main process prepares the images.
+    knn = None
+    if data.evaluation is not None:
+        knn = on_main_process(
+            knn_data,
+            data.train,
+            data.evaluation,
+            data.image_column,
+            data.label_column,
+            config.image_size,
+            config.skip_bad_images,
+            errors=(DataError,),
+            share=False,
+        )
+    evaluate = data.evaluation is not None
     metrics: dict[str, float] = {}
     if step == 0 and evaluate:
-        metrics["knn_top1_init"] = _evaluate(accelerator, model, knn_data, config, step)
+        metrics["knn_top1_init"] = _evaluate(accelerator, model, knn, config, run, step)
 
     # Loop
     progress = tqdm(
@@ -179,63 +378,206 @@ def train(config: TrainConfig) -> dict[str, float]:
         dynamic_ncols=True,
     )
     started, started_step = time.perf_counter(), step
-    while step < total_steps:
-        epoch, first_batch = divmod(step, steps_per_epoch)
-        loader = _train_loader(views, accelerator, config, epoch, first_batch)
-        for view0, view1 in loader:
-            images = torch.cat([view0, view1]).to(accelerator.device, dtype)
-            # One forward over both views: BatchNorm sees the whole batch, as in SimCLR.
-            out0, out1 = model(images).split(len(view0))
-            loss = criterion(out0, out1)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            progress.update(1)
+    last_checkpoint, saved_step, preempted = None, step, None
+    with progress, StopSignals() as signals:  # the bar ends its line before any error
+        while step < total_steps and not preempted:
+            epoch, first_batch = divmod(step, steps_per_epoch)
+            loader = _train_loader(views, accelerator, config, epoch, first_batch)
+            for view0, view1, unreadable in loader:
+                # One exchange per step, before any collective of the step: every rank
+                # learns whether any rank was signalled or drew an unreadable image.
+                stop, broken = any_rank(
+                    accelerator.device,
+                    signals.requested is not None,
+                    bool(unreadable) and not config.skip_bad_images,
+                )
+                if broken:
+                    raise_together(unreadable[0] if unreadable else None)
+                for image in unreadable:
+                    print(f"warning: skipping {image} (--skip-bad-images)", flush=True)
+                if stop:
+                    preempted = signals.requested or "a signal to another rank"
+                    if step != saved_step:
+                        last_checkpoint = _save(
+                            accelerator, run, model, optimizer, config, step, run_state
+                        )
+                    break
 
-            if step % config.log_every == 0 or step == total_steps:
-                # Each rank's loss is W x its share of the global loss: the mean is the loss.
-                metrics["loss"] = accelerator.reduce(loss.detach(), "mean").item()
-                metrics["samples_per_s"] = (
-                    (step - started_step) * config.batch_size / (time.perf_counter() - started)
-                )
-                lr = scheduler.get_last_lr()[0]
-                progress.set_postfix(
-                    loss=f"{metrics['loss']:.4f}",
-                    lr=f"{lr:.3g}",
-                    samples_per_s=f"{metrics['samples_per_s']:.0f}",
-                )
-                accelerator.log(
-                    {
+                images = torch.cat([view0, view1]).to(accelerator.device, dtype)
+                # One forward over both views: BatchNorm sees the whole batch, as in SimCLR.
+                # Slices, not split(): a rank with no share of a short last batch has 0 rows.
+                outputs = model(images)
+                out0, out1 = outputs[: len(view0)], outputs[len(view0) :]
+                loss = criterion(out0, out1)
+                accelerator.backward(loss)
+                lr = learning_rate(step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                progress.update(1)
+
+                if step % config.log_every == 0 or step == total_steps:
+                    # Each rank's loss is W x its share of the global loss: the mean is it.
+                    metrics["loss"] = accelerator.reduce(loss.detach(), "mean").item()
+                    metrics["samples_per_s"] = (
+                        (step - started_step) * config.batch_size / (time.perf_counter() - started)
+                    )
+                    record = {
                         "loss": metrics["loss"],
                         "samples_per_s": metrics["samples_per_s"],
                         "lr": lr,
                         "epoch": epoch,
-                    },
-                    step=step,
-                )
-            if config.save_every and step % config.save_every == 0:
-                _save_checkpoint(accelerator, config, step)
-            if (
-                evaluate
-                and config.eval_every
-                and step % config.eval_every == 0
-                and step < total_steps
-            ):
-                _evaluate(accelerator, model, knn_data, config, step)
-            if step == total_steps:
-                break
-    progress.close()
+                    }
+                    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.3g}")
+                    accelerator.log(record, step=step)
+                    if accelerator.is_main_process:
+                        run.log({"step": step, **record})
+                if config.save_every and step % config.save_every == 0:
+                    last_checkpoint = _save(
+                        accelerator, run, model, optimizer, config, step, run_state
+                    )
+                    saved_step = step
+                if evaluate and config.eval_every and step % config.eval_every == 0:
+                    if step < total_steps:
+                        _evaluate(accelerator, model, knn, config, run, step)
+                if step == total_steps:
+                    break
 
     # Save
+    unwrapped = accelerator.unwrap_model(model)
+    if preempted:
+        accelerator.print(
+            f"stopped by {preempted} at step {step}: checkpoint "
+            f"{last_checkpoint or 'of this step already saved'}; continue with "
+            "--resume-from latest"
+        )
+        return TrainResult(unwrapped, metrics, step, None, last_checkpoint, preempted)
     if evaluate:
-        metrics["knn_top1"] = _evaluate(accelerator, model, knn_data, config, step)
-    _save_final_model(accelerator, model, config)
+        metrics["knn_top1"] = _evaluate(accelerator, model, knn, config, run, step)
+    final = on_main_process(
+        save_final_model, config.output_dir, unwrapped, errors=(CheckpointError,)
+    )
     if accelerator.is_main_process:
-        print(_summary(metrics, config, knn_data), flush=True)
-    accelerator.end_training()
-    return metrics
+        print(_summary(metrics, config, final, knn), flush=True)
+    return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)
+
+
+def _make_accelerator(config: TrainConfig) -> Accelerator:
+    handlers = []
+    if config.collective_timeout is not None:
+        timeout = datetime.timedelta(seconds=config.collective_timeout)
+        handlers.append(InitProcessGroupKwargs(timeout=timeout))
+    return Accelerator(
+        # Without an accelerator, Accelerate launched with several processes reports
+        # DistributedType.NO unless told to use the CPU: every process would train alone.
+        cpu=not torch.accelerator.is_available(),
+        log_with=None if config.report_to == "none" else config.report_to,
+        project_dir=config.output_dir,
+        kwargs_handlers=handlers,
+    )
+
+
+def _check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator: bool) -> None:
+    """Refuse, in one line, what Accelerate would run but this trainer cannot honour."""
+    world_size = accelerator.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and world_size == 1:
+        raise TrainerError(
+            f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
+            f"({accelerator.distributed_type}): each process would train alone"
+        )
+    if accelerator.distributed_type not in _SUPPORTED_DISTRIBUTED_TYPES:
+        raise TrainerError(
+            f"{accelerator.distributed_type} is not supported: the trainer keeps a full "
+            "replica per process (DDP); launch with a multi-GPU, multi-CPU or single-process config"
+        )
+    accumulation = max(accelerator.gradient_accumulation_steps, _launcher_accumulation_steps())
+    if accumulation > 1:
+        raise TrainerError(
+            f"gradient accumulation ({accumulation} steps) is not supported: each micro-batch "
+            "would see only its own negatives, a different contrastive objective; raise "
+            "--batch-size, or add processes"
+        )
+    precision = accelerator.mixed_precision
+    if precision == "fp8":
+        raise TrainerError("--mixed_precision fp8 is not supported; use bf16 or fp16")
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        raise TrainerError(
+            "--mixed_precision fp16 needs a GPU: on the CPU Accelerate would silently train in "
+            "float32; use --mixed_precision bf16"
+        )
+    if config.dtype == "float64" and precision != "no":
+        raise TrainerError("--dtype float64 cannot be combined with mixed precision")
+    if config.batch_size % world_size:
+        raise TrainerError(
+            f"--batch-size {config.batch_size} is the global batch: it must be divisible by "
+            f"the {world_size} processes"
+        )
+    if not own_accelerator:
+        if config.report_to != "none" or config.collective_timeout is not None:
+            raise TrainerError(
+                "--report-to and --collective-timeout configure the Accelerator that train() "
+                "makes; with your own, pass log_with / InitProcessGroupKwargs to it instead"
+            )
+    elif config.report_to in ("tensorboard", "wandb"):
+        import importlib.util
+
+        package = "tensorboard" if config.report_to == "tensorboard" else "wandb"
+        if importlib.util.find_spec(package) is None:
+            raise TrainerError(
+                f"--report-to {config.report_to}: {package} is not installed "
+                f"(pip install {package})"
+            )
+
+
+_SUPPORTED_DISTRIBUTED_TYPES = (
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_SDAA,
+    DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_HPU,
+)
+
+
+def _launcher_accumulation_steps() -> int:
+    """``accelerate launch --gradient_accumulation_steps N``, which Accelerate passes on to
+    the script only for DeepSpeed and otherwise drops; read back from the launcher's
+    command line (Linux), so that the option is refused rather than ignored."""
+    steps = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1") or 1)
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as file:
+            arguments = file.read().decode(errors="replace").split("\0")
+    except OSError:
+        return steps
+    if not any(
+        argument.endswith(("accelerate", "accelerate.commands.launch", "launch"))
+        for argument in arguments[:3]
+    ):
+        return steps
+    for index, argument in enumerate(arguments):
+        if argument.endswith(".py"):
+            break  # the training script: what follows are its own flags
+        name, _, value = argument.partition("=")
+        if name in ("--gradient_accumulation_steps", "--gradient-accumulation-steps"):
+            value = value or (arguments[index + 1] if index + 1 < len(arguments) else "1")
+            steps = max(steps, int(value) if value.isdigit() else 1)
+    return steps
+
+
+def _with_dataset_defaults(config: TrainConfig) -> TrainConfig:
+    """Fill the options whose default depends on the dataset (the digits are 8x8)."""
+    digits = config.dataset is None
+    if config.image_size is None:
+        config = dataclasses.replace(config, image_size=8 if digits else 32)
+    if config.crop_min_scale is None:
+        config = dataclasses.replace(config, crop_min_scale=0.5 if digits else 0.2)
+    return config
 
 
 def _train_loader(
@@ -258,44 +600,21 @@ def _train_loader(
         start_batch=first_batch,
     )
     loader = DataLoader(
-        views, batch_sampler=sampler, collate_fn=views.collate, num_workers=config.num_workers
+        views,
+        batch_sampler=sampler,
+        collate_fn=views.collate,
+        num_workers=config.num_workers,
+        worker_init_fn=ignore_stop_signals if config.num_workers else None,
     )
     if config.data_sharding == "accelerate":
-        loader = accelerator.prepare_data_loader(loader)
+        loader = prepare_data_loader(
+            loader,
+            num_processes=accelerator.num_processes,
+            process_index=accelerator.process_index,
+            split_batches=True,
+            even_batches=True,
+        )
     return loader
-
-
-def _check_config(config: TrainConfig, accelerator: Accelerator) -> None:
-    world_size = accelerator.num_processes
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and world_size == 1:
-        raise TrainerError(
-            f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
-            f"({accelerator.distributed_type}): each process would train alone"
-        )
-    if config.batch_size < 2 or config.batch_size % world_size:
-        raise TrainerError(
-            f"--batch-size {config.batch_size} is the global batch: it must be >= 2 and "
-            f"divisible by the {world_size} processes"
-        )
-    if config.model not in BACKBONES:
-        raise TrainerError(f"--model {config.model!r}: choose one of {', '.join(BACKBONES)}")
-    if config.optimizer not in OPTIMIZERS:
-        raise TrainerError(
-            f"--optimizer {config.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
-        )
-    if config.dtype not in DTYPES:
-        raise TrainerError(f"--dtype {config.dtype!r}: choose one of {', '.join(DTYPES)}")
-    if config.dtype == "float64" and accelerator.mixed_precision != "no":
-        raise TrainerError("--dtype float64 cannot be combined with mixed precision")
-    if not (config.temperature > 0 and config.lr > 0):
-        raise TrainerError("--temperature and --lr must be positive")
-    if config.max_steps is not None and config.max_steps < 1:
-        raise TrainerError("--max-steps must be >= 1")
-    if config.augmentation_seeding not in ("per-sample", "per-process"):
-        raise TrainerError("--augmentation-seeding: choose per-sample or per-process")
-    if config.data_sharding not in ("exact", "accelerate"):
-        raise TrainerError("--data-sharding: choose exact or accelerate")
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -309,289 +628,144 @@ def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
     return LARS(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 
-def _warmup_cosine(warmup_steps: int, total_steps: int):
+def _warmup_cosine(peak: float, warmup_steps: int, total_steps: int):
+    """The learning rate of step ``s`` (0-based): linear warm-up, then cosine to zero.
+    A function of the step alone, so a checkpoint needs no scheduler state."""
     warmup_steps = min(warmup_steps, total_steps)
 
-    def factor(step: int) -> float:
+    def learning_rate(step: int) -> float:
         if step < warmup_steps:
-            return (step + 1) / warmup_steps
+            return peak * (step + 1) / warmup_steps
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return peak * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
-    return factor
-
-
-# Checkpoints. A checkpoint is written under a temporary name and renamed when
-# complete, so a crash mid-write never leaves a directory that looks finished.
+    return learning_rate
 
 
-def _save_checkpoint(accelerator: Accelerator, config: TrainConfig, step: int) -> None:
-    final = os.path.join(config.output_dir, f"checkpoint-{step}")
-    partial = os.path.join(config.output_dir, f".checkpoint-{step}.partial")
-    if accelerator.is_main_process and os.path.exists(partial):
-        shutil.rmtree(partial)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(partial)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        state = {
-            "step": step,
-            "batch_size": config.batch_size,
-            "seed": config.seed,
-            "dataset": config.dataset,
-            "model": config.model,
-            "dtype": config.dtype,
-        }
-        with open(os.path.join(partial, STATE_FILE), "w") as file:
-            json.dump(state, file, indent=2)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(partial, final)
-    accelerator.wait_for_everyone()
+# Checkpoints: safetensors and JSON only (contrastive_accelerate.checkpoint), written by
+# the main process; model and optimizer states are identical on every rank.
 
 
-def _load_checkpoint(accelerator: Accelerator, config: TrainConfig) -> int:
-    path = config.resume_from
-    state_file = os.path.join(path, STATE_FILE)
-    if not os.path.isdir(path):
-        raise TrainerError(f"--resume-from {path!r}: no such checkpoint directory")
-    try:
-        with open(state_file) as file:
-            state = json.load(file)
-        step = int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise TrainerError(
-            f"--resume-from {path!r}: incomplete checkpoint (no valid {STATE_FILE})"
-        ) from None
-    for key in ("batch_size", "seed", "model", "dtype"):
-        if state.get(key) != getattr(config, key):
-            raise TrainerError(
-                f"--resume-from {path!r}: checkpoint has {key}={state.get(key)!r}, "
-                f"this run has {getattr(config, key)!r}"
-            )
-    try:
-        accelerator.load_state(path)
-    except Exception as error:  # torch/safetensors raise many types for a damaged file
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise TrainerError(f"--resume-from {path!r}: corrupt checkpoint: {message}") from None
-    return step
-
-
-def _save_final_model(accelerator: Accelerator, model, config: TrainConfig) -> None:
-    final = os.path.join(config.output_dir, "final")
-    partial = os.path.join(config.output_dir, ".final.partial")
-    if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(partial)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-    accelerator.wait_for_everyone()
-
-
-# kNN evaluation: top-1 accuracy of a weighted k-nearest-neighbour classifier on
-# encoder features (Wu et al., 2018), a standard probe of representation quality.
-
-
-def _knn_data(eval_set, train_set, image_column, label_column, config: TrainConfig) -> dict:
-    bank = train_set.select(range(min(len(train_set), 10_000)))
-    return {
-        "bank_images": evaluation_images(bank, image_column, config.image_size),
-        "bank_labels": torch.tensor(bank[label_column]),
-        "query_images": evaluation_images(eval_set, image_column, config.image_size),
-        "query_labels": torch.tensor(eval_set[label_column]),
-    }
-
-
-@torch.no_grad()
-def knn_top1(
-    model: SimCLR,
-    bank_images,
-    bank_labels,
-    query_images,
-    query_labels,
-    k: int = 20,
-    temperature: float = 0.07,
-    batch_size: int = 256,
-) -> float:
-    """Top-1 accuracy of a cosine-similarity kNN classifier with exp(sim / t) weighted votes."""
-    parameter = next(model.parameters())
-
-    def features(images: torch.Tensor) -> torch.Tensor:
-        chunks = [
-            model.embed(chunk.to(parameter.device, parameter.dtype))
-            for chunk in images.split(batch_size)
-        ]
-        return F.normalize(torch.cat(chunks), dim=1)
-
-    bank, queries = features(bank_images), features(query_images)
-    bank_labels = bank_labels.to(bank.device)
-    similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
-    votes = torch.zeros(
-        len(queries), int(bank_labels.max()) + 1, device=bank.device, dtype=bank.dtype
+def _save(accelerator, run, model, optimizer, config, step, state) -> str:
+    path = on_main_process(
+        save_checkpoint,
+        config.output_dir,
+        step,
+        accelerator.unwrap_model(model),
+        optimizer,
+        state["config"],
+        state["train_samples"],
+        state["world_size"],
+        errors=(CheckpointError,),
     )
-    votes.scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
-    return (votes.argmax(1).cpu() == query_labels).double().mean().item()
+    if config.save_total_limit and accelerator.is_main_process:
+        run.prune(config.save_total_limit)
+    return path
 
 
-def _evaluate(accelerator: Accelerator, model, knn_data, config: TrainConfig, step: int) -> float:
+def _resume(accelerator, model, optimizer, path, config: TrainConfig, train_samples) -> int:
+    """Load ``path`` into the model and optimizer; returns its step.
+
+    Every option that shapes the optimisation was saved with the checkpoint: a
+    difference is applied and said (``resume="apply"``) or refused (``"refuse"``).
+    """
+    checkpoint = load_checkpoint(path)
+    changed, refused = [], []
+    current = dataclasses.asdict(config)
+    for name, rule in resume_rules(TrainConfig).items():
+        if rule == "free":
+            continue
+        if name not in checkpoint.config:
+            refused.append(f"--{name.replace('_', '-')} (not in the checkpoint)")
+        elif checkpoint.config[name] != current[name]:
+            entry = f"--{name.replace('_', '-')} {checkpoint.config[name]!r} -> {current[name]!r}"
+            (changed if rule == "apply" else refused).append(entry)
+    if refused:
+        raise TrainerError(
+            f"--resume-from {path!r}: this run differs from the checkpoint's in "
+            f"{'; '.join(refused)}; these must match to continue it"
+        )
+    if checkpoint.train_samples != train_samples:
+        raise TrainerError(
+            f"--resume-from {path!r}: the checkpoint's run trained on {checkpoint.train_samples} "
+            f"images, this one has {train_samples} (the dataset, --eval-holdout or --knn-k 0 "
+            "changed what is held out)"
+        )
+    load_model_state(accelerator.unwrap_model(model), checkpoint)
+    load_optimizer_state(optimizer, checkpoint)
+    for entry in changed:
+        accelerator.print(f"resume: applying {entry}")
+    accelerator.print(f"resumed from {path} at step {checkpoint.step}")
+    return checkpoint.step
+
+
+def _evaluate(accelerator, model, knn: KnnData | None, config, run, step: int) -> float:
     accuracy = float("nan")
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.eval()
-        accuracy = knn_top1(unwrapped, **knn_data, k=config.knn_k)
+        accuracy = knn_top1(unwrapped, knn, k=config.knn_k)
         unwrapped.train()
         accelerator.log({"knn_top1": accuracy}, step=step)
+        run.log({"step": step, "knn_top1": accuracy})
     accelerator.wait_for_everyone()
     return accuracy
 
 
-def _summary(metrics: dict[str, float], config: TrainConfig, knn_data) -> str:
-    lines = [f"final model: {os.path.join(config.output_dir, 'final')}"]
+def _summary(metrics: dict[str, float], config: TrainConfig, final: str, knn) -> str:
+    lines = [f"final model: {final}"]
     if "loss" in metrics:
         lines.append(f"final loss: {metrics['loss']:.4f}")
-    if knn_data:
-        held_out = len(knn_data["query_labels"])
-        line = f"kNN top-1 (k={config.knn_k}, {held_out} held-out images):"
+    if knn is not None:
+        line = f"kNN top-1 (k={config.knn_k}, {len(knn.query_labels)} held-out images):"
         if "knn_top1_init" in metrics:
             line += f" random init {metrics['knn_top1_init']:.1%} ->"
         lines.append(f"{line} trained {metrics['knn_top1']:.1%}")
     return "\n".join(lines)
 
 
-class JSONLTracker(GeneralTracker):
-    """Accelerate tracker writing one JSON object per ``accelerator.log`` call."""
-
-    name = "jsonl"
-    requires_logging_directory = True
-
-    def __init__(self, logging_dir: str) -> None:
-        super().__init__()
-        self.path = os.path.join(logging_dir, "metrics.jsonl")
-
-    @property
-    def tracker(self):
-        return self.path
-
-    def start(self) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-
-    def store_init_configuration(self, values: dict) -> None:
-        self._write({"config": values})
-
-    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
-        self._write({"step": step, **values})
-
-    def _write(self, record: dict) -> None:
-        with open(self.path, "a") as file:
-            file.write(json.dumps(record) + "\n")
-
-
-def _trackers(output_dir: str) -> list:
-    trackers: list = [JSONLTracker(output_dir)]
-    try:
-        import tensorboard  # noqa: F401
-
-        trackers.append("tensorboard")
-    except ImportError:
-        pass
-    return trackers
-
-
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    defaults = TrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add = parser.add_argument
-    add(
-        "--dataset",
-        default=defaults.dataset,
-        help="hub name or local path (e.g. an image folder) for datasets.load_dataset; "
-        "default: scikit-learn's digits, offline",
-    )
-    add("--image-column", default=defaults.image_column)
-    add(
-        "--image-size",
-        type=int,
-        default=defaults.image_size,
-        help="default: 8 for the default digits (their native size), else 32",
-    )
-    add("--model", default=defaults.model, choices=BACKBONES)
-    add(
-        "--batch-size",
-        type=int,
-        default=defaults.batch_size,
-        help="global batch size (pairs), split across processes",
-    )
-    add("--epochs", type=int, default=defaults.epochs)
-    add("--max-steps", type=int, default=defaults.max_steps, help="overrides --epochs")
-    add("--drop-last", action=argparse.BooleanOptionalAction, default=defaults.drop_last)
-    add("--optimizer", default=defaults.optimizer, choices=OPTIMIZERS)
-    add("--lr", type=float, default=defaults.lr)
-    add("--momentum", type=float, default=defaults.momentum)
-    add("--weight-decay", type=float, default=defaults.weight_decay)
-    add("--warmup-steps", type=int, default=defaults.warmup_steps)
-    add("--temperature", type=float, default=defaults.temperature)
-    add("--augment", action=argparse.BooleanOptionalAction, default=defaults.augment)
-    add(
-        "--crop-min-scale",
-        type=float,
-        default=defaults.crop_min_scale,
-        help="smallest crop area fraction; default: 0.5 for the default digits, else 0.2",
-    )
-    add(
-        "--dtype",
-        default=defaults.dtype,
-        choices=tuple(DTYPES),
-        help="float64 for exactness checks; mixed precision is Accelerate's --mixed_precision",
-    )
-    add("--seed", type=int, default=defaults.seed)
-    add("--num-workers", type=int, default=defaults.num_workers)
-    add("--output-dir", default=defaults.output_dir)
-    add("--save-every", type=int, default=defaults.save_every)
-    add("--resume-from", default=defaults.resume_from)
-    add("--eval-every", type=int, default=defaults.eval_every)
-    add("--knn-k", type=int, default=defaults.knn_k, help="0 disables the kNN evaluation")
-    add("--log-every", type=int, default=defaults.log_every)
-    add(
-        "--gather",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.gather,
-        help="--no-gather: negatives from the local batch only (not the global objective)",
-    )
-    add(
-        "--sync-batchnorm",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.sync_batchnorm,
-        help="BatchNorm statistics over the global batch when several processes run",
-    )
-    add(
-        "--augmentation-seeding",
-        default=defaults.augmentation_seeding,
-        choices=("per-sample", "per-process"),
-        help="per-sample (world-size invariant) or per-process (seed + rank, for comparison)",
-    )
-    add(
-        "--data-sharding",
-        default=defaults.data_sharding,
-        choices=("exact", "accelerate"),
-        help="exact (no padding) or accelerate (Accelerate's even_batches padding, for comparison)",
-    )
-    return TrainConfig(
-        **{key.replace("-", "_"): value for key, value in vars(parser.parse_args(argv)).items()}
-    )
+def _flat_for_trackers(config: TrainConfig) -> dict:
+    # TensorBoard's hparams take numbers, strings and booleans only.
+    return {
+        key: "none" if value is None else value for key, value in dataclasses.asdict(config).items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
+    result = None
     try:
-        train(config)
-    except (TrainerError, DataError, ValueError) as error:
+        config = parse_args(TrainConfig, argv, description=__doc__.split("\n")[0])
+        result = train(config)
+    except (ValueError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and not _collective_failure(error):
+            raise  # a bug: keep its traceback
         # Every rank validates the same inputs, so every rank exits here: no hang.
         # One write per line: the ranks share the launcher's stderr and must not interleave.
+        text = " ".join(str(error).split()) or type(error).__name__
+        if isinstance(error, RuntimeError):
+            text = re.sub(r"^\[[^]]*\]\s*", "", text)  # gloo's source-location prefix
+            text = f"lost contact with another process (stalled or died): {text[:200]}"
         sys.stderr.flush()
-        os.write(sys.stderr.fileno(), f"error: {error}\n".encode())
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        os.write(sys.stderr.fileno(), f"error: {text}\n".encode())
+        settle_before_exit()
         sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if result.preempted:
+        # The checkpoint is written: a launcher's forwarded copy of the signal must not
+        # turn this exit into a death by signal while the interpreter shuts down.
+        ignore_stop_signals()
+        sys.exit(EXIT_PREEMPTED)
+
+
+def _collective_failure(error: RuntimeError) -> bool:
+    """A collective that timed out or lost its peer. gloo raises plain RuntimeErrors, from
+    torch.distributed or from inside DDP's backward; their text names the transport."""
+    if isinstance(error, dist.DistError) or re.search(r"gloo|nccl|c10d", str(error), re.I):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(f"torch{os.sep}distributed{os.sep}" in frame.filename for frame in frames[-3:])
 
 
 if __name__ == "__main__":

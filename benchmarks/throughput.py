@@ -39,8 +39,10 @@ class _IndexToItem(Dataset):
 def hand_written_loop(config: TrainConfig) -> float:
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(config.seed)
-    train_set, _, image_column, _ = load_image_dataset(None)
-    views = TwoViews(train_set, image_column, config.image_size, config.seed, per_sample_seed=False)
+    data = load_image_dataset(None)
+    views = TwoViews(
+        data.train, data.image_column, config.image_size, config.seed, per_sample_seed=False
+    )
     loader = DataLoader(
         _IndexToItem(views), batch_size=config.batch_size, shuffle=True, drop_last=True
     )
@@ -79,7 +81,7 @@ def trainer_throughput(
                 log_every=steps,
                 output_dir=output_dir,
             )
-            samples_per_s["trainer"].append(train(config)["samples_per_s"])
+            samples_per_s["trainer"].append(train(config).metrics["samples_per_s"])
             samples_per_s["hand_written"].append(hand_written_loop(config))
     medians = {name: statistics.median(values) for name, values in samples_per_s.items()}
     return {
@@ -98,10 +100,10 @@ def augmentation_cost(items: int = 1000, image_size: int = 32, repeats: int = 5)
     (colour jitter dominates and applies with p=0.8), so their ratio carries that
     sampling noise; the seeding itself is timed in isolation too.
     """
-    train_set, _, image_column, _ = load_image_dataset(None)
+    data = load_image_dataset(None)
     variants = {
-        "per_sample_seed": TwoViews(train_set, image_column, image_size, 0),
-        "global_rng": TwoViews(train_set, image_column, image_size, 0, per_sample_seed=False),
+        "per_sample_seed": TwoViews(data.train, data.image_column, image_size, 0),
+        "global_rng": TwoViews(data.train, data.image_column, image_size, 0, per_sample_seed=False),
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats):

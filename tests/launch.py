@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +18,26 @@ LAUNCH_TIMEOUT_S = 300
 
 
 def launch(
-    num_processes: int, *trainer_args: str, timeout: int = LAUNCH_TIMEOUT_S, check: bool = True
+    num_processes: int,
+    *trainer_args: str,
+    timeout: int = LAUNCH_TIMEOUT_S,
+    check: bool = True,
+    launcher_flags: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch trainer.py ARGS`` on ``num_processes`` CPU processes."""
+    return launch_script(
+        num_processes,
+        REPO / "trainer.py",
+        *trainer_args,
+        timeout=timeout,
+        check=check,
+        launcher_flags=launcher_flags,
+    )
+
+
+def launch_command(
+    num_processes: int, script: Path, *args: str, launcher_flags: list[str] | None = None
+) -> list[str]:
     if num_processes == 1:
         launcher = ["--config_file", str(CONFIGS / "single_process.yaml")]
     else:
@@ -30,30 +49,61 @@ def launch(
             "--main_process_port",
             "0",
         ]
-    command = [
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         *launcher,
-        str(REPO / "trainer.py"),
-        *trainer_args,
+        *(launcher_flags or []),
+        str(script),
+        *args,
     ]
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "TQDM_DISABLE": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
+
+
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "TQDM_DISABLE": "1",
+    "PYTHONWARNINGS": "ignore",
+}
+
+
+def launch_script(
+    num_processes: int,
+    script: Path,
+    *args: str,
+    timeout: int = LAUNCH_TIMEOUT_S,
+    check: bool = True,
+    launcher_flags: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    """``accelerate launch SCRIPT ARGS`` (a trainer or a user's script) on CPU processes."""
+    command = launch_command(num_processes, script, *args, launcher_flags=launcher_flags)
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+        command, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=REPO
     )
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+def one_line_errors(result: subprocess.CompletedProcess, expected: str, num_processes: int):
+    """Assert a failed launch in which every rank printed one ``error:`` line containing
+    ``expected``, and none of our code printed a traceback."""
+    # A rank's line may follow the main process's progress bar on the shared terminal.
+    errors = [
+        line[line.index("error: ") :] for line in result.stderr.splitlines() if "error: " in line
+    ]
+    assert result.returncode != 0
+    assert len(errors) == num_processes, result.stderr  # every rank says it, once
+    assert all(expected in line for line in errors), errors
+    # Accelerate's launcher reports the failed child with its own traceback; ours must not.
+    for source in ('trainer.py", line', "contrastive_accelerate", "losses", "models"):
+        assert source not in result.stderr, result.stderr
+    return errors
 
 
 def make_image_folder(root: Path, count: int, size: int = 12, classes: int = 2) -> Path:
@@ -67,3 +117,88 @@ def make_image_folder(root: Path, count: int, size: int = 12, classes: int = 2) 
         pixels = generator.integers(0, 256, (size, size, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(folder / f"{index}.png")
     return root
+
+
+def add_unusual_images(root: Path, size: int = 12) -> tuple[Path, Path]:
+    """Add to an image folder one truncated PNG and one RGBA PNG; returns their paths."""
+    from PIL import Image
+
+    generator = np.random.default_rng(1)
+    folder = root / "train" / "class0"
+    folder.mkdir(parents=True, exist_ok=True)
+    rgba = folder / "rgba.png"
+    Image.fromarray(generator.integers(0, 256, (size, size, 4), dtype=np.uint8)).save(rgba)
+    truncated = folder / "truncated.png"
+    Image.fromarray(generator.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(truncated)
+    truncated.write_bytes(truncated.read_bytes()[:-60])  # cut into the image data
+    return truncated, rgba
+
+
+def small_labelled_dataset(count: int = 12, size: int = 12):
+    """A ``datasets.Dataset`` of ``count`` random RGB images with labels 0/1."""
+    import datasets
+
+    generator = np.random.default_rng(2)
+    images = [generator.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(count)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+    return datasets.Dataset.from_dict(
+        {"image": images, "label": [i % 2 for i in range(count)]}, features=features
+    )
+
+
+def start(
+    num_processes: int, *trainer_args: str, launcher_flags: list[str] | None = None
+) -> subprocess.Popen:
+    """Start ``accelerate launch trainer.py ARGS`` in a process group of its own, as a
+    scheduler runs a job, so that a test can signal the whole job."""
+    command = launch_command(
+        num_processes, REPO / "trainer.py", *trainer_args, launcher_flags=launcher_flags
+    )
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
+def logged_steps(output_dir: Path) -> int:
+    """The last step written to ``metrics.jsonl`` (0 before the first)."""
+    import json
+
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line]
+    return max(steps, default=0)
+
+
+def wait_until(condition, timeout: float = LAUNCH_TIMEOUT_S, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def finish(process: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[str, str]:
+    """Wait for the launcher and for every process of its group (an orphaned worker too);
+    kills the group if it outlives ``timeout``. Returns (stdout, stderr)."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        wait_until(lambda: not _group_alive(process.pid), timeout=timeout)
+    finally:
+        if _group_alive(process.pid):
+            os.killpg(process.pid, signal.SIGKILL)
+    return stdout, stderr
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from contrastive_accelerate.data import (
     DataError,
     GlobalBatchSampler,
     TwoViews,
+    UnreadableImage,
     batches_per_epoch,
     load_image_dataset,
+    read_image,
 )
 
-from launch import make_image_folder
+from launch import add_unusual_images, make_image_folder, small_labelled_dataset
 
 
 @pytest.mark.parametrize("dataset_size", [20, 23, 24, 25])
@@ -64,8 +71,8 @@ def test_shuffle_depends_on_seed_and_epoch():
 
 @pytest.fixture(scope="module")
 def digits():
-    train, evaluation, image_column, label_column = load_image_dataset(None)
-    return train, evaluation, image_column, label_column
+    data = load_image_dataset(None)
+    return data.train, data.evaluation, data.image_column, data.label_column
 
 
 def test_views_depend_only_on_seed_epoch_and_index(digits):
@@ -89,7 +96,7 @@ def test_views_independent_of_dataloader_workers(digits):
         loader = DataLoader(
             views, batch_sampler=sampler, collate_fn=views.collate, num_workers=workers
         )
-        return [torch.cat(batch) for batch in loader]
+        return [torch.cat([batch.view0, batch.view1]) for batch in loader]
 
     assert all(torch.equal(a, b) for a, b in zip(batches(0), batches(2), strict=True))
 
@@ -107,8 +114,8 @@ def test_process_rng_untouched_by_augmentation(digits):
 def test_empty_share_collates_to_empty_tensors(digits):
     train, _, image_column, _ = digits
     views = TwoViews(train, image_column, 16, seed=0)
-    view0, view1 = views.collate([])
-    assert view0.shape == (0, 3, 16, 16) and view1.shape == (0, 3, 16, 16)
+    view0, view1, unreadable = views.collate([])
+    assert view0.shape == (0, 3, 16, 16) and view1.shape == (0, 3, 16, 16) and not unreadable
 
 
 def test_default_digits_split(digits):
@@ -119,9 +126,9 @@ def test_default_digits_split(digits):
 
 def test_imagefolder_through_load_dataset(tmp_path):
     make_image_folder(tmp_path, count=12)
-    train, evaluation, image_column, label_column = load_image_dataset(str(tmp_path))
-    assert len(train) + len(evaluation) == 12  # labelled: 20% held out for kNN
-    assert (image_column, label_column) == ("image", "label")
+    data = load_image_dataset(str(tmp_path))
+    assert len(data.train) + len(data.evaluation) == 12  # labelled: 20% held out for kNN
+    assert (data.image_column, data.label_column) == ("image", "label")
 
 
 def test_unknown_path_and_missing_column(tmp_path):
@@ -130,3 +137,138 @@ def test_unknown_path_and_missing_column(tmp_path):
     make_image_folder(tmp_path, count=4)
     with pytest.raises(DataError, match="no image column 'pixels'"):
         load_image_dataset(str(tmp_path), image_column="pixels")
+
+
+def test_default_holdout_is_stated_and_skipped_without_evaluation():
+    held = load_image_dataset(None)
+    assert "360 images held out of split 'train' (--eval-holdout 0.2)" in held.evaluation_source
+    no_evaluation = load_image_dataset(None, evaluate=False)
+    assert (len(no_evaluation.train), no_evaluation.evaluation) == (1797, None)
+    assert no_evaluation.evaluation_source == "kNN evaluation: off"
+    no_holdout = load_image_dataset(None, eval_holdout=0.0)
+    assert (len(no_holdout.train), no_holdout.evaluation) == (1797, None)
+    assert "--eval-holdout 0" in no_holdout.evaluation_source
+
+
+def _write_sources(root: Path) -> dict[str, tuple[str, dict]]:
+    """The same 12 labelled images in every kind of source ``--dataset`` accepts."""
+    import datasets
+    from PIL import Image
+
+    dataset = small_labelled_dataset(12)
+    sources = {}
+    dataset.save_to_disk(str(root / "saved_dataset"))
+    sources["save_to_disk Dataset"] = (str(root / "saved_dataset"), {})
+    splits = dataset.train_test_split(test_size=4, seed=0)
+    datasets.DatasetDict(splits).save_to_disk(str(root / "saved_dict"))
+    sources["save_to_disk DatasetDict"] = (str(root / "saved_dict"), {})
+    dataset.to_parquet(str(root / "images.parquet"))
+    sources["parquet file"] = (str(root / "images.parquet"), {})
+
+    # CSV and JSON Lines hold file paths, relative to the data file's folder.
+    (root / "files").mkdir()
+    rows = []
+    for index, record in enumerate(dataset.cast_column("image", datasets.Image(decode=True))):
+        Image.fromarray(np.asarray(record["image"])).save(root / "files" / f"{index}.png")
+        rows.append((f"files/{index}.png", record["label"]))
+    (root / "images.csv").write_text(
+        "image,label\n" + "".join(f"{path},{label}\n" for path, label in rows)
+    )
+    sources["csv file"] = (str(root / "images.csv"), {})
+    (root / "images.jsonl").write_text(
+        "".join(json.dumps({"image": path, "label": label}) + "\n" for path, label in rows)
+    )
+    sources["json lines file"] = (str(root / "images.jsonl"), {})
+
+    # A local dataset with two configurations declared in its README, as on the hub.
+    for name, size in (("small", 4), ("large", 8)):
+        (root / "configured" / name).mkdir(parents=True)
+        dataset.select(range(size)).to_parquet(str(root / "configured" / name / "train.parquet"))
+    (root / "configured" / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: small\n  data_files:\n  - split: train\n    path: small/*.parquet\n"
+        "- config_name: large\n  data_files:\n  - split: train\n    path: large/*.parquet\n"
+        "---\n"
+    )
+    sources["config 'large' of a local dataset"] = (
+        str(root / "configured"),
+        {"config_name": "large"},
+    )
+    return sources
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return _write_sources(tmp_path_factory.mktemp("sources"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "train_size", "evaluation_size"),
+    [
+        ("save_to_disk Dataset", 9, 3),  # 20% of 12 held out, rounded up by datasets
+        ("save_to_disk DatasetDict", 8, 4),  # its own test split: nothing held out
+        ("parquet file", 9, 3),
+        ("csv file", 9, 3),
+        ("json lines file", 9, 3),
+        ("config 'large' of a local dataset", 6, 2),
+    ],
+)
+def test_every_kind_of_source_loads_and_decodes(sources, kind, train_size, evaluation_size):
+    path, options = sources[kind]
+    data = load_image_dataset(path, **options)
+    assert (len(data.train), len(data.evaluation)) == (train_size, evaluation_size)
+    assert (data.image_column, data.label_column) == ("image", "label")
+    image = read_image(data.train[0]["image"], 0)
+    assert image.shape == (3, 12, 12) and image.dtype == torch.uint8
+
+
+def test_split_and_evaluation_split_are_chosen_by_name(sources):
+    path, _ = sources["save_to_disk DatasetDict"]
+    swapped = load_image_dataset(path, split="test", eval_split="train")
+    assert (len(swapped.train), len(swapped.evaluation)) == (4, 8)
+    with pytest.raises(DataError, match="no split 'validation'"):
+        load_image_dataset(path, split="validation")
+    with pytest.raises(DataError, match="no evaluation split 'val'"):
+        load_image_dataset(path, eval_split="val")
+    notes = Path(path).parent / "notes.txt"
+    notes.write_text("not a dataset")
+    with pytest.raises(DataError, match="expected one of .parquet"):
+        load_image_dataset(str(notes))
+
+
+def test_unreadable_and_unusual_images(tmp_path):
+    make_image_folder(tmp_path, count=4)
+    truncated, rgba = add_unusual_images(tmp_path)
+    data = load_image_dataset(str(tmp_path), evaluate=False)
+    paths = [record["image"]["path"] for record in data.train]
+    rgba_index, truncated_index = paths.index(str(rgba)), paths.index(str(truncated))
+
+    assert read_image(data.train[rgba_index]["image"], rgba_index).shape == (3, 12, 12)
+    with pytest.raises(UnreadableImage, match=f"image {truncated_index} .*truncated.png"):
+        read_image(data.train[truncated_index]["image"], truncated_index)
+
+    views = TwoViews(data.train, "image", 8, seed=0)
+    batch = views.collate([views[(0, i)] for i in range(len(data.train))])
+    assert len(batch.view0) == len(data.train) - 1
+    assert [str(error) for error in batch.unreadable] == [
+        str(views[(0, truncated_index)])
+    ] and "truncated.png" in str(batch.unreadable[0])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Image.new("RGBA", (5, 4), (10, 20, 30, 40)),
+        lambda: Image.new("LA", (5, 4), (100, 50)),
+        lambda: Image.new("P", (5, 4), 7),
+        lambda: Image.new("1", (5, 4), 1),
+        lambda: Image.new("CMYK", (5, 4), (0, 0, 0, 0)),
+        lambda: Image.fromarray(np.full((4, 5), 65535, np.uint16)),
+        lambda: np.full((4, 5), 200, np.uint8),
+        lambda: np.full((4, 5, 4), 0.5, np.float32),
+    ],
+    ids=["RGBA", "LA", "P", "1-bit", "CMYK", "16-bit", "HW array", "HWC float array"],
+)
+def test_any_image_mode_becomes_three_channels(make):
+    image = read_image(make(), 0)
+    assert image.shape == (3, 4, 5) and image.dtype == torch.uint8

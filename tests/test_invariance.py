@@ -11,6 +11,9 @@ orders of magnitude.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
@@ -82,6 +85,10 @@ def test_uneven_last_batch_with_an_idle_rank(runs):
     diff = max_abs_diff(runs(1, "uneven"), runs(3, "uneven"))
     print(f"uneven batches, 1 vs 3 processes: max abs diff {diff:.3e}")
     assert diff <= EXACT
+    # All 20 images train (nothing held out with --knn-k 0), so the last global batch of
+    # each epoch has 2 samples and the third rank really is idle in that step.
+    start = json.loads((Path(runs(3, "uneven")).parent / "metrics.jsonl").open().readline())
+    assert start["train_samples"] == 20
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pytest
 import trainer
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 
-from launch import launch, make_image_folder
+from launch import launch, make_image_folder, one_line_errors
 
 STEPS = "12"
 EXACT = {"float32": 1e-5, "float64": 1e-10}
@@ -144,16 +144,6 @@ def test_default_dataset_reports_knn_before_and_after(tmp_path, num_processes):
     assert any("knn_top1" in record for record in records)
 
 
-def _assert_one_line_error(result, expected: str, num_processes: int) -> None:
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode != 0
-    assert len(errors) == num_processes, result.stderr  # every rank says it, once
-    assert all(expected in line for line in errors), errors
-    # Accelerate's launcher reports the failed child with its own traceback; ours must not.
-    for source in ('trainer.py", line', 'data.py", line', "losses"):
-        assert source not in result.stderr, result.stderr
-
-
 def test_bad_input_unknown_dataset_path(tmp_path):
     result = launch(
         2,
@@ -164,14 +154,14 @@ def test_bad_input_unknown_dataset_path(tmp_path):
         str(tmp_path),
         check=False,
     )
-    _assert_one_line_error(result, "does not exist", 2)
+    one_line_errors(result, "does not exist", 2)
 
 
 def test_bad_input_batch_size_not_divisible(tmp_path):
     result = launch(
         2, "--model", "mlp", "--batch-size", "7", "--output-dir", str(tmp_path), check=False
     )
-    _assert_one_line_error(result, "divisible by the 2 processes", 2)
+    one_line_errors(result, "divisible by the 2 processes", 2)
 
 
 def test_bad_input_missing_image_column(tmp_path, small_image_folder):
@@ -186,7 +176,7 @@ def test_bad_input_missing_image_column(tmp_path, small_image_folder):
         str(tmp_path),
         check=False,
     )
-    _assert_one_line_error(result, "no image column 'photo'", 2)
+    one_line_errors(result, "no image column 'photo'", 2)
 
 
 def _checkpointing_run(max_steps: int, save_every: int) -> list[str]:
@@ -217,7 +207,7 @@ def test_bad_input_damaged_checkpoint(tmp_path, damage):
         str(tmp_path / "again"),
         check=False,
     )
-    _assert_one_line_error(result, expected, 2)
+    one_line_errors(result, expected, 2)
     assert not (tmp_path / "again" / "final").exists()
 
 
@@ -229,7 +219,7 @@ def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypa
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(trainer.TrainerError, match="WORLD_SIZE=2 but Accelerate runs one"):
-        trainer._check_config(trainer.TrainConfig(), SingleProcessAccelerator())
+        trainer._check_launch(trainer.TrainConfig(), SingleProcessAccelerator(), True)
 
 
 def test_resume_on_a_different_number_of_processes(tmp_path):

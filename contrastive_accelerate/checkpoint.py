@@ -1,0 +1,411 @@
+"""Checkpoints that are safe to load, safe to interrupt, and owned by one run.
+
+A checkpoint ``<output-dir>/checkpoint-<step>/`` holds three files:
+
+- ``model.safetensors``: the model's state (weights and BatchNorm running statistics);
+- ``optimizer.safetensors``: the optimizer's per-parameter tensors (momentum, Adam moments);
+- ``trainer_state.json``: the step, the run's resolved options, and the optimizer's
+  few non-tensor values.
+
+Nothing is pickled, so loading a checkpoint someone else made cannot run code:
+safetensors and JSON hold data only. Nothing else needs saving: the learning rate is
+a function of the step, and every random draw is a function of (seed, epoch, sample
+index), so there is no RNG state to restore.
+
+A checkpoint is written under ``.checkpoint-<step>.partial``, each file flushed to
+disk, and renamed when complete: a crash at any moment leaves either the previous
+set of complete checkpoints or the new one, never a directory that looks complete
+and is not. ``trainer_state.json`` is written last, so a directory without a valid
+one is never picked by ``latest_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+FORMAT = "contrastive-accelerate-checkpoint/1"
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = (
+    "model.safetensors",
+    "optimizer.safetensors",
+    "trainer_state.json",
+)
+METRICS_FILE, LOCK_FILE, FINAL_DIR = "metrics.jsonl", ".lock", "final"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or output-directory problem: reported as one line naming the path."""
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint as read from disk: tensors and plain JSON values, nothing executable."""
+
+    path: str
+    step: int
+    config: dict[str, Any]
+    train_samples: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_values: dict[str, Any]
+
+
+def checkpoint_step(path: str) -> int | None:
+    match = _CHECKPOINT.fullmatch(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """The complete ``checkpoint-<step>`` directories of ``output_dir``, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        step = checkpoint_step(path)
+        if step is not None and _has_valid_state(path):
+            found.append((step, path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    checkpoints = complete_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def _has_valid_state(path: str) -> bool:
+    try:
+        _read_state(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def save_checkpoint(
+    output_dir: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: dict[str, Any],
+    train_samples: int,
+    world_size: int,
+) -> str:
+    """Write ``checkpoint-<step>`` atomically; call on one process. Returns its path.
+
+    On a write error (disk full, permissions) the partial directory is removed and
+    ``CheckpointError`` names the path; earlier checkpoints are untouched.
+    """
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    partial = os.path.join(output_dir, f".checkpoint-{step}.partial")
+    optimizer_tensors, optimizer_values = _flatten_optimizer_state(optimizer.state_dict())
+    state = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "train_samples": train_samples,
+        "config": config,
+        "optimizer": optimizer_values,
+    }
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        _write_tensors(os.path.join(partial, MODEL_FILE), model.state_dict())
+        _write_tensors(os.path.join(partial, OPTIMIZER_FILE), optimizer_tensors)
+        _write_json(os.path.join(partial, STATE_FILE), state)
+        _fsync_directory(partial)
+        replaced = None
+        if os.path.exists(final):  # the same step saved again (e.g. a resumed run)
+            replaced = os.path.join(output_dir, f".checkpoint-{step}.replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+        os.replace(partial, final)
+        _fsync_directory(output_dir)
+        if replaced:
+            shutil.rmtree(replaced, ignore_errors=True)
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        kept = f"; the last complete checkpoint is {previous}" if previous else ""
+        raise CheckpointError(f"cannot write checkpoint {final}: {_reason(error)}{kept}") from None
+    return final
+
+
+def save_final_model(output_dir: str, model) -> str:
+    """``model.save_pretrained`` into ``<output_dir>/final``, atomically."""
+    final = os.path.join(output_dir, FINAL_DIR)
+    partial = os.path.join(output_dir, f".{FINAL_DIR}.partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial)
+        _fsync_directory(partial)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"cannot write the final model {final}: {_reason(error)}") from None
+    return final
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """Read a checkpoint written by ``save_checkpoint``; raises ``CheckpointError``."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume-from {path!r}: no such checkpoint directory")
+    state = _read_state(path)
+    return Checkpoint(
+        path=path,
+        step=state["step"],
+        config=state["config"],
+        train_samples=state["train_samples"],
+        model_state=_read_tensors(path, MODEL_FILE),
+        optimizer_tensors=_read_tensors(path, OPTIMIZER_FILE),
+        optimizer_values=state["optimizer"],
+    )
+
+
+def _read_state(path: str) -> dict[str, Any]:
+    state_file = os.path.join(path, STATE_FILE)
+    try:
+        with open(state_file) as file:
+            state = json.load(file)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{path!r}: incomplete checkpoint (no valid {STATE_FILE}: {_reason(error)})"
+        ) from None
+    expected = {
+        "format": str,
+        "step": int,
+        "world_size": int,
+        "train_samples": int,
+        "config": dict,
+        "optimizer": dict,
+    }
+    problems = [
+        key
+        for key, kind in expected.items()
+        if not isinstance(state, dict) or not isinstance(state.get(key), kind)
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{path!r}: incomplete checkpoint ({STATE_FILE} lacks {', '.join(problems)})"
+        )
+    if state["format"] != FORMAT:
+        raise CheckpointError(
+            f"{path!r}: checkpoint format {state['format']!r}, this trainer reads {FORMAT!r}"
+        )
+    if state["step"] < 0:
+        raise CheckpointError(f"{path!r}: negative step in {STATE_FILE}")
+    return state
+
+
+def _read_tensors(path: str, name: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(os.path.join(path, name))
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"{path!r}: corrupt checkpoint: {name}: {_reason(error)}") from None
+
+
+def load_model_state(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
+    """Load every tensor, strictly: a missing, extra or reshaped tensor is an error."""
+    try:
+        model.load_state_dict(checkpoint.model_state, strict=True)
+    except RuntimeError as error:
+        detail = " ".join(str(error).split())[:300]
+        raise CheckpointError(
+            f"{checkpoint.path!r}: the checkpoint's model does not match this model: {detail}"
+        ) from None
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint) -> None:
+    """Restore the per-parameter state; hyperparameters stay those of ``optimizer``.
+
+    Each tensor must belong to an existing parameter and have its shape (scalars such
+    as Adam's step count aside), so a mismatched checkpoint fails here, whole.
+    """
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    saved_groups = checkpoint.optimizer_values.get("param_groups")
+    current = optimizer.state_dict()
+    if not isinstance(saved_groups, list) or [len(g.get("params", ())) for g in saved_groups] != [
+        len(g["params"]) for g in current["param_groups"]
+    ]:
+        raise CheckpointError(
+            f"{checkpoint.path!r}: the optimizer state does not match this model's parameters"
+        )
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in checkpoint.optimizer_tensors.items():
+        parts = key.split(".")
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+            raise CheckpointError(f"{checkpoint.path!r}: unexpected optimizer tensor {key!r}")
+        index, name = int(parts[1]), parts[2]
+        if index >= len(params) or (tensor.dim() and tensor.shape != params[index].shape):
+            raise CheckpointError(
+                f"{checkpoint.path!r}: optimizer tensor {key!r} does not match parameter {index}"
+            )
+        state.setdefault(index, {})[name] = tensor
+    values = checkpoint.optimizer_values.get("state", {})
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{checkpoint.path!r}: malformed optimizer state")
+    for index, entries in values.items():
+        if not str(index).isdigit() or int(index) >= len(params) or not isinstance(entries, dict):
+            raise CheckpointError(f"{checkpoint.path!r}: malformed optimizer state")
+        for name, value in entries.items():
+            if not isinstance(value, bool | int | float | type(None)):
+                raise CheckpointError(f"{checkpoint.path!r}: malformed optimizer value {name!r}")
+            state.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def _flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split ``optimizer.state_dict()`` into safetensors-ready tensors and JSON values."""
+    tensors, values = {}, {}
+    for index, entries in state_dict["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{name}"] = value.detach()
+            elif isinstance(value, bool | int | float | type(None)):
+                values.setdefault(str(index), {})[name] = value
+            else:
+                raise TypeError(f"cannot checkpoint optimizer state {name!r} of type {type(value)}")
+    groups = [
+        {key: list(value) if isinstance(value, tuple) else value for key, value in group.items()}
+        for group in state_dict["param_groups"]
+    ]
+    return tensors, {"param_groups": groups, "state": values}
+
+
+def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    # Copies: safetensors refuses tensors that share memory or are not contiguous.
+    save_file({name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}, path)
+    _fsync_file(path)
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as file:
+        json.dump(value, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_file(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_directory(path: str) -> None:
+    # A renamed entry survives a power cut only once its directory is synced too.
+    try:
+        _fsync_file(path)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.EISDIR):  # not on every FS
+            raise
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip() or type(error).__name__
+    # safetensors wraps the OS's words: "... I/O error: File too large (os error 27)"
+    os_error = re.search(r"I/O error: (.*?) \(os error \d+\)", text)
+    return os_error.group(1) if os_error else text.splitlines()[0]
+
+
+class RunDirectory:
+    """The output directory of one run: its lock, checkpoints, final model and metrics.
+
+    ``claim`` (main process) takes the directory's lock, an ``flock`` that the
+    operating system drops when the process ends however it ends, so a crashed run
+    never leaves it stuck; a second run on the same directory is refused while the
+    first lives. A directory holding another run's checkpoints or final model is
+    refused unless the run resumes (``--resume-from``) or overwrites it
+    (``--overwrite-output-dir``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock_file = None
+
+    def claim(self, resume_from: str | None, overwrite: bool) -> str | None:
+        """Lock the directory and apply the rules above; returns the checkpoint to resume."""
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise CheckpointError(f"--output-dir {self.path!r} is a file, not a directory")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as error:
+            reason = _reason(error)
+            raise CheckpointError(f"cannot create --output-dir {self.path!r}: {reason}") from None
+        self._lock()
+        for name in os.listdir(self.path):  # leftovers of a run killed mid-save
+            if name.startswith(".") and name.endswith((".partial", ".replaced")):
+                shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+        checkpoints = complete_checkpoints(self.path)
+        final = os.path.join(self.path, FINAL_DIR)
+        if resume_from == "latest" and checkpoints:
+            return checkpoints[-1]
+        if resume_from not in (None, "latest"):
+            return resume_from
+        if not checkpoints and not os.path.exists(final):
+            return None
+        if overwrite:
+            for path in [*checkpoints, final]:
+                shutil.rmtree(path, ignore_errors=True)
+            metrics = os.path.join(self.path, METRICS_FILE)
+            if os.path.exists(metrics):
+                os.remove(metrics)
+            return None
+        found = [os.path.basename(p) for p in checkpoints[-3:]]
+        if os.path.exists(final):
+            found.append(FINAL_DIR)
+        raise CheckpointError(
+            f"--output-dir {self.path!r} already holds another run ({', '.join(found)}): "
+            "pass --resume-from latest to continue it, --overwrite-output-dir to replace it, "
+            "or choose another --output-dir"
+        )
+
+    def _lock(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, as before
+            return
+        path = os.path.join(self.path, LOCK_FILE)
+        lock_file = open(path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.seek(0)
+            holder = lock_file.read().strip() or "unknown"
+            lock_file.close()
+            raise CheckpointError(
+                f"--output-dir {self.path!r} is in use by another run (pid {holder}); "
+                "wait for it to finish or choose another --output-dir"
+            ) from None
+        lock_file.seek(0)
+        lock_file.truncate()
+        lock_file.write(f"{os.getpid()}\n")
+        lock_file.flush()
+        self._lock_file = lock_file
+
+    def release(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the file drops the flock
+            self._lock_file = None
+
+    def prune(self, keep: int) -> None:
+        """Delete all but the newest ``keep`` complete checkpoints."""
+        for path in complete_checkpoints(self.path)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(os.path.join(self.path, METRICS_FILE), "a") as file:
+            file.write(json.dumps(record) + "\n")

@@ -1,0 +1,96 @@
+"""Keeping ranks in step when one of them has something to say.
+
+A problem seen by one rank (an unreadable image, a full disk, a signal) must reach
+every rank before the next collective, or the others wait in it until the
+collective timeout. These helpers exchange that news at points where all ranks
+are anyway, and raise the same one-line error everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def any_rank(device: torch.device, *flags: bool) -> list[bool]:
+    """For each flag, whether it is set on any rank (one small all-reduce)."""
+    if not _distributed():
+        return list(flags)
+    values = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
+
+
+def raise_together(error: Exception | None) -> None:
+    """Raise on every rank if ``error`` is set on any; the lowest such rank's message wins.
+
+    Every rank must call this at the same point. The messages travel with
+    ``all_gather_object``, between this job's own processes.
+    """
+    if not _distributed():
+        if error is not None:
+            raise error
+        return
+    messages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else (type(error), str(error)))
+    for message in messages:
+        if message is not None:
+            kind, text = message
+            raise kind(text)
+
+
+def on_main_process(
+    fn: Callable[..., T], *args: Any, errors: tuple[type[Exception], ...], share: bool = True
+) -> T | None:
+    """``fn(*args)`` on the main process only; its ``errors`` are raised on every rank.
+
+    With ``share``, every rank receives the result (a small picklable value); else
+    the other ranks get ``None``.
+    """
+    result, error = None, None
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            result = fn(*args)
+        except errors as caught:
+            error = caught
+    raise_together(error)
+    if share and _distributed():
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    return result
+
+
+def settle_before_exit(timeout_s: float = 10.0) -> None:
+    """Wait, at most ``timeout_s``, until every rank has reached this call.
+
+    Called on the way out of a failed run, after the rank has printed its error. A
+    launcher ends all workers as soon as one exits (torchrun sends SIGTERM): without
+    this, a fast rank's exit can cut a slower peer off before it prints its own line.
+    It counts arrivals in the process group's key-value store rather than running a
+    collective, so it works on any backend and gives up instead of hanging when a
+    peer never comes (it stalled, or died).
+    """
+    if not _distributed():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add(_SETTLE_KEY, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(_SETTLE_KEY, 0) < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - best effort: the store may have gone with a peer
+        pass
+
+
+_SETTLE_KEY = "contrastive_accelerate/settle_before_exit"

@@ -1,0 +1,133 @@
+"""Options: one declaration per field gives the flag, the config-file key and the validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
+from trainer import TrainConfig
+
+FIELDS = dataclasses.fields(TrainConfig)
+
+
+def _other_value(field: dataclasses.Field):
+    """A valid value different from the field's default, derived from its declaration."""
+    choices, kind = field.metadata["choices"], field.type.split(" |")[0]
+    if choices:
+        return next(choice for choice in choices if choice != field.default)
+    if kind == "bool":
+        return not field.default
+    at_least, above, below, at_most = field.metadata["bounds"]
+    low = next((b for b in (at_least, above) if b is not None), 0)
+    high = next((b for b in (below, at_most) if b is not None), None)
+    if kind == "int":
+        return (field.default or low) + 3
+    if kind == "float":
+        return (low + high) / 2 if high is not None else (field.default or 1.0) * 2.5
+    return f"custom-{field.name}"
+
+
+VALUES = {field.name: _other_value(field) for field in FIELDS}
+
+
+def _cli(name: str, value) -> list[str]:
+    if isinstance(value, bool):
+        return [flag(name) if value else "--no-" + flag(name)[2:]]
+    return [flag(name), str(value)]
+
+
+def test_every_field_has_a_flag_and_a_help_line():
+    text = parser(TrainConfig, "").format_help()
+    for field in FIELDS:
+        assert flag(field.name) in text, field.name
+        assert field.metadata["help"], f"{field.name} has no help text"
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=[field.name for field in FIELDS])
+def test_every_field_is_settable_from_the_command_line(field):
+    value = VALUES[field.name]
+    assert value != field.default
+    config = parse_args(TrainConfig, _cli(field.name, value))
+    assert getattr(config, field.name) == value
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
+    # --overwrite-output-dir and --resume-from exclude each other: one file each.
+    for excluded in ("overwrite_output_dir", "resume_from"):
+        values = {name: value for name, value in VALUES.items() if name != excluded}
+        path = tmp_path / f"run{suffix}"
+        text = json.dumps(values) if suffix == ".json" else yaml.safe_dump(values)
+        path.write_text(text)
+        config = parse_args(TrainConfig, ["--config", str(path)])
+        assert {name: getattr(config, name) for name in values} == values
+
+
+def test_command_line_overrides_the_file_and_dashes_are_accepted(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-3\nbatch-size: 64\naugment: false\nmax_steps: 7\n")
+    config = parse_args(TrainConfig, ["--config", str(path), "--lr", "0.2", "--augment"])
+    assert (config.lr, config.batch_size, config.augment, config.max_steps) == (0.2, 64, True, 7)
+    # An optional option set in the file can be set back to its automatic default.
+    assert parse_args(TrainConfig, ["--config", str(path), "--max-steps", "none"]).max_steps is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("learning_rate: 0.1\n", "unknown option(s) learning_rate"),
+        ("epochs: ten\n", "--epochs: expected int, got 'ten'"),
+        ("augment: 1\n", "--augment: expected bool"),
+        ("- lr\n", "expected a mapping"),
+        ("lr: [1\n", "not valid YAML/JSON"),
+        ("model: vgg\n", "--model 'vgg': choose one of"),
+    ],
+)
+def test_bad_config_files_name_the_problem(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(TrainConfig, ["--config", str(path)])
+    with pytest.raises(ConfigError, match="No such file"):
+        parse_args(TrainConfig, ["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"image_size": 0}, "--image-size 0: must be >= 1"),
+        ({"log_every": 0}, "--log-every 0: must be >= 1"),
+        ({"crop_min_scale": 2.0}, "--crop-min-scale 2: must be > 0 and <= 1"),
+        ({"save_every": -1}, "--save-every -1: must be >= 0"),
+        ({"epochs": 0}, "--epochs 0: must be >= 1"),
+        ({"max_steps": 0}, "--max-steps 0: must be >= 1"),
+        ({"batch_size": 1}, "--batch-size 1: must be >= 2"),
+        ({"lr": float("nan")}, "--lr nan: must be a finite number"),
+        ({"temperature": 0.0}, "--temperature 0: must be > 0"),
+        ({"momentum": 1.0}, "--momentum 1: must be >= 0 and < 1"),
+        ({"eval_holdout": 1.0}, "--eval-holdout 1: must be >= 0 and < 1"),
+        ({"save_total_limit": 0}, "--save-total-limit 0: must be >= 1"),
+        ({"collective_timeout": -5.0}, "--collective-timeout -5: must be > 0"),
+        ({"num_workers": -1}, "--num-workers -1: must be >= 0"),
+        ({"optimizer": "adam"}, "--optimizer 'adam': choose one of sgd, adamw, lars"),
+        ({"epochs": 2.5}, "--epochs: expected int, got 2.5"),
+        ({"overwrite_output_dir": True, "resume_from": "latest"}, "exclude each other"),
+    ],
+)
+def test_bad_values_are_refused_in_python_as_on_the_command_line(options, message):
+    """``TrainConfig(...)`` validates exactly as the CLI does: train() gets no bad config."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainConfig(**options)
+
+
+def test_usage_errors_are_one_line(capfd):
+    for argv in (["--epochs", "ten"], ["--no-such-flag"], ["--model", "vgg"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(TrainConfig, argv)
+        assert exit_info.value.code == 2
+        lines = capfd.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), lines
