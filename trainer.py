@@ -742,12 +742,14 @@ def main(argv: list[str] | None = None) -> None:
         # Every rank validates the same inputs, so every rank exits here: no hang.
         # One write per line: the ranks share the launcher's stderr and must not interleave.
         text = " ".join(str(error).split()) or type(error).__name__
-        if isinstance(error, RuntimeError):
+        lost_contact = isinstance(error, RuntimeError)
+        if lost_contact:
             text = re.sub(r"^\[[^]]*\]\s*", "", text)  # gloo's source-location prefix
             text = f"lost contact with another process (stalled or died): {text[:200]}"
         sys.stderr.flush()
         os.write(sys.stderr.fileno(), f"error: {text}\n".encode())
-        settle_before_exit()
+        if not lost_contact:  # a stalled or dead peer would never arrive
+            settle_before_exit()
         sys.exit(2)
     finally:
         if dist.is_initialized():
