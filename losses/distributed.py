@@ -10,7 +10,9 @@ defect: it forgets the gradients that the *other* ranks' losses produced.
 ``gather`` below all-gathers along dim 0 and its backward reduce-scatters:
 rank r receives, for its own rows, the sum over all ranks of the incoming gradient.
 That is exactly the gradient of ``sum_k loss_k(cat(x_0, ..., x_{W-1}))`` with
-respect to ``x_r``.
+respect to ``x_r``. ``all_reduce`` is the same idea for sums: its backward sums
+the gradient over ranks too, so that losses computed from global statistics
+(Barlow Twins, VICReg) send every rank the gradient of every rank's loss.
 """
 
 from __future__ import annotations
@@ -162,3 +164,45 @@ def gather(
     if sizes is None:
         sizes, _ = all_gather_sizes(x, group)
     return GatherLayer.apply(x, sizes, group)
+
+
+class AllReduceLayer(torch.autograd.Function):
+    """Sum over ranks whose backward also sums over ranks.
+
+    forward:  y = sum_r x_r                                   (on every rank)
+    backward: dL/dx_r = sum_k dL_k/dy                         (an all-reduce of the gradient)
+
+    where ``L_k`` is the loss computed on rank k from its copy of ``y``. A plain
+    ``dist.all_reduce`` carries no gradient, so each rank's ``x_r`` would receive
+    only its own loss's share and every gradient would shrink by 1/W (lightly
+    issues #1920 and #1977). With this backward, when every rank computes the same
+    loss from ``y`` (``L_k = L``), rank r receives ``W dL/dx_r``, and DDP's average
+    over ranks gives exactly the single-process gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None):
+        ctx.group = group
+        total = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad = grad_output.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Differentiable sum of ``x`` over ranks (see ``AllReduceLayer``); every rank must pass
+    the same shape. Identity, with no collective call, on one process.
+
+    Example::
+
+        total = all_reduce(z.sum(0))        # (d,), the global sum, with gradients
+        mean = total / global_batch_size
+    """
+    if not is_distributed(group):
+        return x
+    return AllReduceLayer.apply(x, group)

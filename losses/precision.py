@@ -29,3 +29,38 @@ def autocast_off(device: torch.device) -> Iterator[None]:
     """Disable autocast on ``device``'s type, so matmuls keep their inputs' dtype."""
     with torch.autocast(device.type, enabled=False):
         yield
+
+
+class _Float32MatMul(torch.autograd.Function):
+    """``a @ b`` with autocast off in forward *and* backward.
+
+    forward: ``c = a @ b``;  backward: ``da = g @ b^T``, ``db = a^T @ g``.
+
+    A plain matmul's backward runs inside whatever autocast block ``backward()`` is
+    called in, and there autocast computes it in bfloat16. This one keeps float32.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        with autocast_off(a.device):
+            return a @ b
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        with autocast_off(grad.device):
+            grad_a = grad_b = None
+            # Each gradient in its input's memory layout (as autograd's mm does): a
+            # transposed view's gradient, transposed back, is then contiguous for the
+            # layer below (BatchNorm's backward is several times slower otherwise).
+            if ctx.needs_input_grad[0]:
+                grad_a = grad @ b.T if a.is_contiguous() else (b @ grad.T).T
+            if ctx.needs_input_grad[1]:
+                grad_b = a.T @ grad if b.is_contiguous() else (grad.T @ a).T
+        return grad_a, grad_b
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` computed in the inputs' dtype, forward and backward, even under autocast."""
+    return _Float32MatMul.apply(a, b)

@@ -1,8 +1,8 @@
 """Every numeric primitive under ``torch.autocast`` bf16 on CPU, on 1 process and on 2 gloo ranks.
 
 What is exact and what is not:
-- NT-Xent computes in float32 whatever autocast says, so inside an autocast block on
-  float32 embeddings it equals the float32 loss exactly (tolerance 1e-6: the same
+- Every loss computes in float32 whatever autocast says, so inside an autocast block
+  on float32 embeddings it equals the float32 loss exactly (tolerance 1e-6: the same
   float32 operations in the same order), and on bfloat16 embeddings it equals the
   float32 loss of those bf16 values upcast (same argument); its gradient comes back
   in bfloat16, within one bf16 rounding (relative 2^-8) of that float32 gradient.
@@ -26,10 +26,11 @@ from torch import nn
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 from contrastive_accelerate.testing import run_on_ranks
-from losses import NTXentLoss, gather
+from losses import gather
 from models import SyncBatchNorm, convert_sync_batchnorm
 
 from launch import launch
+from loss_cases import CASES, call
 
 TEMPERATURE = 0.1  # a small temperature is where bf16 similarities hurt most
 FLOAT32_SAME_OPS = 1e-6
@@ -42,10 +43,10 @@ def _embeddings(rows: int, features: int = 16) -> tuple[torch.Tensor, torch.Tens
     return out0, out0 + 0.3 * torch.randn(rows, features, generator=generator)
 
 
-def _loss_and_grad(loss_fn, out0, out1, autocast: bool):
+def _loss_and_grad(case, loss_fn, out0, out1, labels, autocast: bool):
     out0, out1 = out0.clone().requires_grad_(), out1.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = loss_fn(out0, out1)
+        loss = call(case, loss_fn, out0, out1, labels)
         loss.backward()  # inside the block, as in Accelerate's examples
     return loss.detach(), out0.grad
 
@@ -64,54 +65,62 @@ def _max_abs(a, b) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def ntxent_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
+def losses_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
+    """Every loss of ``losses`` in float32, inside autocast, and on bf16 inputs."""
     out0, out1 = _embeddings(sum(sizes))
+    labels = torch.arange(sum(sizes)) % 3
     rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-    out0, out1 = out0[rows], out1[rows]
-    criterion = NTXentLoss(temperature=TEMPERATURE)
-    float32_loss, float32_grad = _loss_and_grad(criterion, out0, out1, autocast=False)
-    autocast_loss, autocast_grad = _loss_and_grad(criterion, out0, out1, autocast=True)
-
-    bf16_0, bf16_1 = out0.bfloat16(), out1.bfloat16()
-    bf16_loss, bf16_grad = _loss_and_grad(criterion, bf16_0, bf16_1, autocast=True)
-    upcast_loss, upcast_grad = _loss_and_grad(criterion, bf16_0.float(), bf16_1.float(), False)
-    return {
-        "autocast_loss_dtype": str(autocast_loss.dtype),
-        "autocast_vs_float32": max(
-            _max_abs(autocast_loss, float32_loss), _max_abs(autocast_grad, float32_grad)
-        ),
-        "bf16_grad_dtype": str(bf16_grad.dtype),
-        "bf16_loss_vs_upcast": _max_abs(bf16_loss, upcast_loss),
-        "bf16_grad_vs_upcast_relative": _max_abs(bf16_grad, upcast_grad)
-        / upcast_grad.abs().max().item(),
-        "bf16_loss_vs_float32": _max_abs(bf16_loss, float32_loss),
-    }
+    out0, out1, labels = out0[rows], out1[rows], labels[rows]
+    results = {}
+    for name, case in CASES.items():
+        criterion = case.make()
+        float32_loss, float32_grad = _loss_and_grad(case, criterion, out0, out1, labels, False)
+        autocast_loss, autocast_grad = _loss_and_grad(case, criterion, out0, out1, labels, True)
+        bf16_0, bf16_1 = out0.bfloat16(), out1.bfloat16()
+        bf16_loss, bf16_grad = _loss_and_grad(case, criterion, bf16_0, bf16_1, labels, True)
+        upcast_loss, upcast_grad = _loss_and_grad(
+            case, criterion, bf16_0.float(), bf16_1.float(), labels, False
+        )
+        scale = upcast_grad.abs().max().item() or 1.0
+        results[name] = {
+            "autocast_loss_dtype": str(autocast_loss.dtype),
+            "autocast_vs_float32": max(
+                _max_abs(autocast_loss, float32_loss), _max_abs(autocast_grad, float32_grad)
+            ),
+            "bf16_grad_dtype": str(bf16_grad.dtype),
+            "bf16_loss_vs_upcast": _max_abs(bf16_loss, upcast_loss),
+            "bf16_grad_vs_upcast_relative": _max_abs(bf16_grad, upcast_grad) / scale,
+            "bf16_loss_vs_float32": _max_abs(bf16_loss, float32_loss),
+        }
+    return results
 
 
 @pytest.fixture(scope="module", params=[(1, [6]), (2, [4, 2])], ids=["1-process", "W2-uneven"])
-def ntxent_results(request):
+def loss_results(request):
     world_size, sizes = request.param
     if world_size == 1:
-        return [ntxent_worker(0, 1, sizes)]
-    return run_on_ranks(ntxent_worker, world_size, sizes)
+        return [losses_worker(0, 1, sizes)]
+    return run_on_ranks(losses_worker, world_size, sizes)
 
 
-def test_ntxent_inside_autocast_equals_float32(ntxent_results):
-    worst = max(result["autocast_vs_float32"] for result in ntxent_results)
-    print(f"NT-Xent inside autocast vs float32: {worst:.3e}")
-    assert all(result["autocast_loss_dtype"] == "torch.float32" for result in ntxent_results)
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_inside_autocast_equals_float32(loss_results, name):
+    worst = max(result[name]["autocast_vs_float32"] for result in loss_results)
+    print(f"{name} inside autocast vs float32: {worst:.3e}")
+    assert all(result[name]["autocast_loss_dtype"] == "torch.float32" for result in loss_results)
     assert worst <= FLOAT32_SAME_OPS
 
 
-def test_ntxent_on_bf16_embeddings_computes_in_float32(ntxent_results):
-    loss_error = max(result["bf16_loss_vs_upcast"] for result in ntxent_results)
-    grad_error = max(result["bf16_grad_vs_upcast_relative"] for result in ntxent_results)
-    drift = max(result["bf16_loss_vs_float32"] for result in ntxent_results)
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_on_bf16_inputs_computes_in_float32(loss_results, name):
+    loss_error = max(result[name]["bf16_loss_vs_upcast"] for result in loss_results)
+    grad_error = max(result[name]["bf16_grad_vs_upcast_relative"] for result in loss_results)
+    drift = max(result[name]["bf16_loss_vs_float32"] for result in loss_results)
     print(
-        f"bf16 embeddings: loss vs float32 of the same values {loss_error:.3e}, "
+        f"{name} on bf16 inputs: loss vs float32 of the same values {loss_error:.3e}, "
         f"gradient (relative) {grad_error:.3e}; vs the unrounded float32 inputs {drift:.3e}"
     )
-    assert all(result["bf16_grad_dtype"] == "torch.bfloat16" for result in ntxent_results)
+    assert all(result[name]["bf16_grad_dtype"] == "torch.bfloat16" for result in loss_results)
     assert loss_error <= FLOAT32_SAME_OPS
     assert grad_error <= BF16_STEP
 
@@ -119,8 +128,9 @@ def test_ntxent_on_bf16_embeddings_computes_in_float32(ntxent_results):
 def test_negative_control_bf16_similarities_miss_float32():
     """The float32 island is what makes the autocast result exact: without it, it is not."""
     out0, out1 = _embeddings(1024)
-    float32_loss, _ = _loss_and_grad(_naive_ntxent, out0, out1, autocast=False)
-    autocast_loss, _ = _loss_and_grad(_naive_ntxent, out0, out1, autocast=True)
+    plain = CASES["ntxent"]  # called as a plain two-input loss
+    float32_loss, _ = _loss_and_grad(plain, _naive_ntxent, out0, out1, None, autocast=False)
+    autocast_loss, _ = _loss_and_grad(plain, _naive_ntxent, out0, out1, None, autocast=True)
     error = _max_abs(autocast_loss, float32_loss)
     print(f"naive NT-Xent, autocast vs float32: {error:.3e}")
     assert error > 100 * FLOAT32_SAME_OPS

@@ -1,0 +1,169 @@
+"""Two-tower losses of the CLIP family (InfoNCE, SigLIP) over the global batch of all ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from losses.distributed import gather
+from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.logsumexp import DENSE_MAX_BYTES, auto_tile_rows, tiled_logsumexp
+from losses.precision import autocast_off, compute_dtype, matmul
+
+
+def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(like.dtype).reshape(())
+    return like.new_tensor(float(value))
+
+
+class InfoNCELoss(nn.Module):
+    """Symmetric InfoNCE of two towers or two views, as in CLIP (Radford et al., 2021).
+
+    For the global batch of N pairs ``(f0_i, f1_i)`` (features as given: CLIP models
+    normalise them themselves) and ``l_ij = logit_scale * f0_i . f1_j``::
+
+        loss = 1/(2N) * sum_i [ CE(l_i., i) + CE(l_.i, i) ]
+             = 1/(2N) * sum_i [ log sum_j exp(l_ij) + log sum_j exp(l_ji) - 2 l_ii ]
+
+    On one process this is open_clip's ``ClipLoss``. Each rank computes its own rows
+    of both directions against the gathered columns of the other tower, with
+    positives at their global index (uneven batches included; peers assume
+    ``arange(n) + rank * n``). ``logit_scale`` is a float or a scalar tensor that may
+    require grad. The mean of the returned values over ranks is the loss, and DDP's
+    gradient average is the single-process gradient, ``logit_scale``'s included when
+    it is a parameter of the DDP-wrapped model.
+
+    Example::
+
+        criterion = InfoNCELoss()
+        loss = criterion(image_features, text_features, model.logit_scale.exp())
+        accelerator.backward(loss)
+    """
+
+    def __init__(
+        self,
+        *,
+        gather_distributed: bool = True,
+        tile_rows: int | None = None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__()
+        self.gather_distributed = gather_distributed
+        self.tile_rows = tile_rows
+        self.dense_max_bytes = dense_max_bytes
+
+    def forward(
+        self, features0: torch.Tensor, features1: torch.Tensor, logit_scale
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        problem = local_problem(features0, features1, scalars=(logit_scale,))
+        rank, world_size, sizes = batch_sizes(name, features0, problem, self.gather_distributed)
+        require_global_batch(name, sizes, 2, "so that every sample has a negative")
+        with autocast_off(features0.device):
+            dtype = compute_dtype(features0, features1)
+            f0, f1 = features0.to(dtype), features1.to(dtype)
+            scale = _as_tensor(logit_scale, f0)
+            keys0 = gather(f0, sizes=sizes) if world_size > 1 else f0
+            keys1 = gather(f1, sizes=sizes) if world_size > 1 else f1
+            tile_rows = self.tile_rows or auto_tile_rows(
+                len(f0), len(keys0), f0, self.dense_max_bytes
+            )
+            lse0 = tiled_logsumexp(scale * f0, keys1, None, tile_rows)
+            lse1 = tiled_logsumexp(scale * f1, keys0, None, tile_rows)
+            positive = scale * (f0 * f1).sum(dim=1)
+            local_sum = lse0.sum() + lse1.sum() - 2 * positive.sum()
+            return local_sum * (world_size / (2 * sum(sizes)))
+
+
+class SigLIPLoss(nn.Module):
+    """Pairwise sigmoid loss of SigLIP (Zhai et al., 2023) over the global batch.
+
+    For N pairs, ``l_ij = logit_scale * f0_i . f1_j + logit_bias`` and ``y_ij = 1``
+    if i == j else -1 (features as given)::
+
+        loss = -1/N * sum_i sum_j log sigmoid(y_ij l_ij)
+
+    On one process this is open_clip's ``SigLipLoss``. Each rank scores its rows
+    against the gathered second tower (n x d features per rank: small) in tiles of
+    ``tile_columns`` gathered columns, each tile recomputed in backward
+    (``torch.utils.checkpoint``), so the n x N logits never exist at once and memory
+    stays at one tile however many ranks there are (open_clip issue #942; its
+    alternative is a ring exchange with neighbours). None picks one tile while it
+    takes at most ``dense_max_bytes``. ``logit_scale`` and ``logit_bias`` are floats
+    or scalar tensors that may require grad. The mean of the returned values over
+    ranks is the loss, and DDP's gradient average is the single-process gradient.
+
+    Example::
+
+        criterion = SigLIPLoss()
+        loss = criterion(image_features, text_features, model.logit_scale.exp(), model.logit_bias)
+        accelerator.backward(loss)
+    """
+
+    def __init__(
+        self,
+        *,
+        gather_distributed: bool = True,
+        tile_columns: int | None = None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__()
+        if tile_columns is not None and tile_columns < 1:
+            raise ValueError(f"SigLIPLoss: tile_columns must be >= 1, got {tile_columns}")
+        self.gather_distributed = gather_distributed
+        self.tile_columns = tile_columns
+        self.dense_max_bytes = dense_max_bytes
+
+    def forward(
+        self, features0: torch.Tensor, features1: torch.Tensor, logit_scale, logit_bias
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        problem = local_problem(features0, features1, scalars=(logit_scale, logit_bias))
+        rank, world_size, sizes = batch_sizes(name, features0, problem, self.gather_distributed)
+        require_global_batch(name, sizes, 1, "")
+        with autocast_off(features0.device):
+            dtype = compute_dtype(features0, features1)
+            f0, f1 = features0.to(dtype), features1.to(dtype)
+            scale, bias = _as_tensor(logit_scale, f0), _as_tensor(logit_bias, f0)
+            keys = gather(f1, sizes=sizes) if world_size > 1 else f1
+            offset, columns = sum(sizes[:rank]), len(keys)
+            tile = self.tile_columns or auto_tile_rows(
+                columns, max(len(f0), 1), f0, self.dense_max_bytes
+            )
+            if tile >= columns:
+                local_sum = _sigmoid_loss_tile(f0, keys, scale, bias, torch.tensor(offset))
+            else:
+                local_sum = sum(
+                    checkpoint(
+                        _sigmoid_loss_tile,
+                        f0,
+                        keys[start : start + tile],
+                        scale,
+                        bias,
+                        torch.tensor(offset - start),
+                        use_reentrant=False,
+                    )
+                    for start in range(0, columns, tile)
+                )
+            return local_sum * (world_size / sum(sizes))
+
+
+def _sigmoid_loss_tile(queries, keys, scale, bias, positive_offset) -> torch.Tensor:
+    """``-sum log sigmoid(y_ij l_ij)`` of one tile; the positive of row i is column
+    ``i + positive_offset`` (when inside the tile). Float32 also when recomputed in a
+    backward that runs inside autocast."""
+    with autocast_off(queries.device):
+        return _sigmoid_loss(queries, keys, scale, bias, positive_offset)
+
+
+def _sigmoid_loss(queries, keys, scale, bias, positive_offset) -> torch.Tensor:
+    logits = scale * matmul(queries, keys.T) + bias
+    rows = torch.arange(len(queries), device=queries.device)
+    columns = rows + positive_offset.item()
+    inside = (columns >= 0) & (columns < len(keys))
+    signs = -torch.ones_like(logits)
+    signs[rows[inside], columns[inside]] = 1.0
+    return -F.logsigmoid(signs * logits).sum()

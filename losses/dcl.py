@@ -1,0 +1,133 @@
+"""Decoupled contrastive learning (DCL, DCLW) over the global batch of all ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from losses.distributed import gather
+from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
+from losses.precision import autocast_off
+from losses.views import check_temperature, normalized, views_and_keys
+
+
+class DCLLoss(nn.Module):
+    """Decoupled contrastive loss, DCL (Yeh et al., 2021, "Decoupled Contrastive Learning").
+
+    NT-Xent with the positive pair removed from the denominator. For the 2N
+    L2-normalised embeddings of N pairs, ``s_ij = z_i . z_j / temperature``,
+    ``p(i)`` the other view of sample i and ``w_i`` the positive weight (1 unless
+    ``weight_fn``)::
+
+        loss = 1/(2N) * sum_i [ -w_i s_{i,p(i)} + log sum_{j != i, p(i)} exp(s_ij) ]
+
+    one log-sum-exp over the negatives of both views (the paper's Eq. 6; lightly's
+    ``DCLLoss`` on one process). Distributed as ``NTXentLoss`` is: local rows against
+    all gathered columns, uneven batches included; the mean of the returned values
+    over ranks is the loss, and DDP's gradient average is the single-process gradient.
+
+    ``weight_fn(z0, z1) -> (n,)`` gets this rank's normalised embeddings, as in
+    lightly; it is not differentiated. For weights over the global batch use
+    ``DCLWLoss``.
+
+    Example::
+
+        criterion = DCLLoss(temperature=0.1)
+        loss = criterion(model(view0), model(view1))
+        accelerator.backward(loss)
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        *,
+        weight_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        gather_distributed: bool = True,
+        tile_rows: int | None = None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__()
+        check_temperature(type(self).__name__, temperature)
+        self.temperature = temperature
+        self.weight_fn = weight_fn
+        self.gather_distributed = gather_distributed
+        self.tile_rows = tile_rows
+        self.dense_max_bytes = dense_max_bytes
+
+    def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
+        rank, world_size, sizes = batch_sizes(
+            name, out0, local_problem(out0, out1), self.gather_distributed
+        )
+        require_global_batch(name, sizes, 2, "so that every sample has a negative")
+        with autocast_off(out0.device):
+            z0, z1 = normalized(out0, out1)
+            local, keys, offset = views_and_keys(z0, z1, rank, world_size, sizes)
+            n = len(z0)
+            rows = torch.arange(2 * n, device=local.device)
+            own = offset + rows
+            positive_column = offset + (rows + n) % (2 * n)  # row i <-> row i + n
+            log_denominator = tiled_logsumexp(
+                local / self.temperature,
+                keys,
+                torch.stack([own, positive_column], dim=1),
+                self.tile_rows,
+                self.dense_max_bytes,
+            )
+            positive = (z0 * z1).sum(dim=1) / self.temperature
+            weights0, weights1 = self._positive_weights(z0, z1, sizes, world_size)
+            local_sum = log_denominator.sum() - ((weights0 + weights1) * positive).sum()
+            return local_sum * (world_size / (2 * sum(sizes)))
+
+    def _positive_weights(self, z0, z1, sizes, world_size):
+        if self.weight_fn is None:
+            return 1.0, 1.0
+        with torch.no_grad():
+            return self.weight_fn(z0, z1), self.weight_fn(z1, z0)
+
+
+class DCLWLoss(DCLLoss):
+    """Weighted DCL (DCLW, Yeh et al., 2021): DCL whose positive terms carry the
+    negative von Mises-Fisher weights of the *global* batch::
+
+        w_i = 2 - N * softmax_i(z0_i . z1_i / sigma)      (softmax over all N pairs)
+
+    (not differentiated). lightly computes the softmax and N over each rank's local
+    batch, so its distributed loss is a different function from its single-process
+    loss; here the N similarities are all-gathered first, so both are the same.
+
+    Example::
+
+        criterion = DCLWLoss(temperature=0.1, sigma=0.5)
+        loss = criterion(model(view0), model(view1))
+        accelerator.backward(loss)
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        *,
+        sigma: float = 0.5,
+        gather_distributed: bool = True,
+        tile_rows: int | None = None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__(
+            temperature,
+            gather_distributed=gather_distributed,
+            tile_rows=tile_rows,
+            dense_max_bytes=dense_max_bytes,
+        )
+        if not sigma > 0:
+            raise ValueError(f"DCLWLoss: sigma must be positive, got {sigma}")
+        self.sigma = sigma
+
+    def _positive_weights(self, z0, z1, sizes, world_size):
+        with torch.no_grad():
+            similarity = (z0 * z1).sum(dim=1) / self.sigma
+            every = gather(similarity, sizes=sizes) if world_size > 1 else similarity
+            weights = 2 - sum(sizes) * torch.exp(similarity - torch.logsumexp(every, dim=0))
+        return weights, weights

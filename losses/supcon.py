@@ -1,0 +1,95 @@
+"""Supervised contrastive loss (SupCon) over the global batch of all ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from losses.distributed import gather
+from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
+from losses.precision import autocast_off
+from losses.views import check_temperature, normalized, views_and_keys
+
+
+class SupConLoss(nn.Module):
+    """Supervised contrastive loss (Khosla et al., 2020), the paper's L_out, "all" mode.
+
+    Every one of the 2N L2-normalised views is an anchor; its positives P(i) are all
+    other views with the same label, A(i) all other views, ``s_ij = z_i . z_j / t``::
+
+        loss = 1/(2N) * sum_i [ log sum_{a in A(i)} exp(s_ia) - 1/|P(i)| sum_{p in P(i)} s_ip ]
+
+    times ``temperature`` when ``rescale`` (as lightly's unreleased ``SupConLoss``
+    does by default; its keyword arguments are accepted). ``labels=None`` makes the
+    other view the only positive: NT-Xent. Labels are gathered with the embeddings,
+    so positives are found across ranks; the positive term uses the sum of each
+    class's gathered embeddings, never a 2N x 2N mask. Distributed as ``NTXentLoss``
+    is, uneven batches included; the mean of the returned values over ranks is the
+    loss, and DDP's gradient average is the single-process gradient.
+
+    Example::
+
+        criterion = SupConLoss(temperature=0.1)
+        loss = criterion(model(view0), model(view1), labels)
+        accelerator.backward(loss)
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        *,
+        gather_distributed: bool = True,
+        rescale: bool = False,
+        tile_rows: int | None = None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__()
+        check_temperature(type(self).__name__, temperature)
+        self.temperature = temperature
+        self.gather_distributed = gather_distributed
+        self.rescale = rescale
+        self.tile_rows = tile_rows
+        self.dense_max_bytes = dense_max_bytes
+
+    def forward(
+        self, out0: torch.Tensor, out1: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        rank, world_size, sizes = batch_sizes(
+            name, out0, local_problem(out0, out1, labels), self.gather_distributed
+        )
+        require_global_batch(name, sizes, 2, "so that every sample has a negative")
+        with autocast_off(out0.device):
+            z0, z1 = normalized(out0, out1)
+            local, keys, offset = views_and_keys(z0, z1, rank, world_size, sizes)
+            rows = torch.arange(len(local), device=local.device)
+            log_denominator = tiled_logsumexp(
+                local / self.temperature,
+                keys,
+                (offset + rows)[:, None],
+                self.tile_rows,
+                self.dense_max_bytes,
+            )
+            if labels is None:
+                positive = 2 * (z0 * z1).sum(dim=1).sum() / self.temperature
+            else:
+                positive = self._mean_positive_similarity(local, keys, labels, sizes, world_size)
+            loss = (log_denominator.sum() - positive) * (world_size / (2 * sum(sizes)))
+            return loss * self.temperature if self.rescale else loss
+
+    def _mean_positive_similarity(self, local, keys, labels, sizes, world_size) -> torch.Tensor:
+        """``sum_i 1/|P(i)| sum_{p in P(i)} s_ip`` over this rank's anchors."""
+        labels = labels.to(local.device).long()
+        every = gather(labels, sizes=sizes) if world_size > 1 else labels
+        # Key labels in the keys' order: each rank's first views, then its second views.
+        key_labels = torch.cat([torch.cat([block, block]) for block in every.split(sizes)])
+        classes, key_class = torch.unique(key_labels, return_inverse=True)
+        class_sums = keys.new_zeros(len(classes), keys.shape[1]).index_add(0, key_class, keys)
+        class_sizes = torch.bincount(key_class, minlength=len(classes))
+        anchor_class = torch.searchsorted(classes, torch.cat([labels, labels]))
+        # Positives of anchor i: its class's views but itself (the other view is one).
+        positive_sums = class_sums[anchor_class] - local
+        counts = (class_sizes[anchor_class] - 1).to(local.dtype)
+        similarity = (local * positive_sums).sum(dim=1) / self.temperature
+        return (similarity / counts).sum()

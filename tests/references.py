@@ -1,0 +1,130 @@
+"""Every loss written as plainly as possible, from its paper: loops over anchors, float64.
+
+These are the references the distributed losses are compared with on the
+concatenated global batch; none of them is vectorised, gathered or tiled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=1, keepdim=True)
+
+
+def _log_sum_exp(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.log(sum(torch.exp(value) for value in values))
+
+
+def ntxent(out0, out1, temperature: float) -> torch.Tensor:
+    """SimCLR's NT-Xent: for each of the 2N views, the other view among all others."""
+    z, pairs = _unit(torch.cat([out0, out1])), len(out0)
+    terms = []
+    for i in range(2 * pairs):
+        positive = (i + pairs) % (2 * pairs)
+        similarities = [z[i] @ z[j] / temperature for j in range(2 * pairs)]
+        others = [s for j, s in enumerate(similarities) if j != i]
+        terms.append(-similarities[positive] + _log_sum_exp(others))
+    return torch.stack(terms).mean()
+
+
+def dcl(out0, out1, temperature: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """DCL (Yeh et al., Eq. 6): the positive left out of the denominator; w_i on the positive."""
+    z, pairs = _unit(torch.cat([out0, out1])), len(out0)
+    terms = []
+    for i in range(2 * pairs):
+        positive = (i + pairs) % (2 * pairs)
+        similarities = [z[i] @ z[j] / temperature for j in range(2 * pairs)]
+        negatives = [s for j, s in enumerate(similarities) if j not in (i, positive)]
+        weight = 1.0 if weights is None else weights[i % pairs]
+        terms.append(-weight * similarities[positive] + _log_sum_exp(negatives))
+    return torch.stack(terms).mean()
+
+
+def dclw(out0, out1, temperature: float, sigma: float) -> torch.Tensor:
+    """DCLW: DCL with w_i = 2 - N softmax_i(z0_i . z1_i / sigma) over all N pairs."""
+    z0, z1 = _unit(out0), _unit(out1)
+    with torch.no_grad():
+        similarity = torch.stack([z0[i] @ z1[i] / sigma for i in range(len(z0))])
+        weights = 2 - len(z0) * torch.softmax(similarity, dim=0)
+    return dcl(out0, out1, temperature, weights)
+
+
+def supcon(out0, out1, labels, temperature: float) -> torch.Tensor:
+    """SupCon's L_out: mean over positives (same label, other views) outside the log."""
+    z, pairs = _unit(torch.cat([out0, out1])), len(out0)
+    views_labels = torch.cat([labels, labels]).tolist()
+    terms = []
+    for i in range(2 * pairs):
+        similarities = [z[i] @ z[j] / temperature for j in range(2 * pairs)]
+        others = [s for j, s in enumerate(similarities) if j != i]
+        positives = [
+            s for j, s in enumerate(similarities) if j != i and views_labels[j] == views_labels[i]
+        ]
+        terms.append(_log_sum_exp(others) - sum(positives) / len(positives))
+    return torch.stack(terms).mean()
+
+
+def infonce(features0, features1, logit_scale) -> torch.Tensor:
+    """CLIP: cross-entropy of each row and each column of the scaled similarity matrix."""
+    pairs, terms = len(features0), []
+    for i in range(pairs):
+        row = [logit_scale * features0[i] @ features1[j] for j in range(pairs)]
+        column = [logit_scale * features1[i] @ features0[j] for j in range(pairs)]
+        terms.append(_log_sum_exp(row) - row[i])
+        terms.append(_log_sum_exp(column) - column[i])
+    return torch.stack(terms).mean()
+
+
+def siglip(features0, features1, logit_scale, logit_bias) -> torch.Tensor:
+    """SigLIP: a binary sigmoid loss on every pair, +1 on the diagonal, -1 elsewhere."""
+    pairs, total = len(features0), 0
+    for i in range(pairs):
+        for j in range(pairs):
+            label = 1.0 if i == j else -1.0
+            logit = logit_scale * features0[i] @ features1[j] + logit_bias
+            total = total - F.logsigmoid(label * logit)
+    return total / pairs
+
+
+def _batch_statistics(z: torch.Tensor, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    count = len(z)
+    mean = torch.stack([sum(z[i, k] for i in range(count)) / count for k in range(z.shape[1])])
+    squares = [sum((z[i, k] - mean[k]) ** 2 for i in range(count)) for k in range(z.shape[1])]
+    return mean, torch.stack(squares) / (count - 1 if unbiased else count)
+
+
+def barlow_twins(z_a, z_b, lambda_param: float, eps: float = 1e-5) -> torch.Tensor:
+    """Barlow Twins: batch-standardised embeddings (biased variance, as BatchNorm), then the
+    cross-correlation's diagonal pulled to 1 and off-diagonal to 0."""
+    count, dim = z_a.shape
+    mean_a, var_a = _batch_statistics(z_a, unbiased=False)
+    mean_b, var_b = _batch_statistics(z_b, unbiased=False)
+    a = (z_a - mean_a) / torch.sqrt(var_a + eps)
+    b = (z_b - mean_b) / torch.sqrt(var_b + eps)
+    loss = 0
+    for k in range(dim):
+        for m in range(dim):
+            correlation = sum(a[i, k] * b[i, m] for i in range(count)) / count
+            loss = loss + ((1 - correlation) ** 2 if k == m else lambda_param * correlation**2)
+    return loss
+
+
+def vicreg(z_a, z_b, lambda_param: float, mu_param: float, nu_param: float, eps: float):
+    """VICReg: invariance (mean squared error), variance hinge on the std, off-diagonal
+    covariance, with unbiased batch statistics."""
+    count, dim = z_a.shape
+    invariance = ((z_a - z_b) ** 2).sum() / (count * dim)
+    variance = covariance = 0
+    for z in (z_a, z_b):
+        mean, var = _batch_statistics(z, unbiased=True)
+        variance = variance + 0.5 * torch.relu(1 - torch.sqrt(var + eps)).mean()
+        centred = z - mean
+        for k in range(dim):
+            for m in range(dim):
+                if k != m:
+                    cov = sum(centred[i, k] * centred[i, m] for i in range(count)) / (count - 1)
+                    covariance = covariance + cov**2 / dim
+    return lambda_param * invariance + mu_param * variance + nu_param * covariance

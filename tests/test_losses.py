@@ -1,0 +1,290 @@
+"""Every loss of ``losses``, exact on W gloo processes: one harness for all of them.
+
+For each loss and W = 2, 3, the global batch is split unevenly across real gloo
+ranks (with an empty rank at W = 3). Each rank computes the loss on its share and
+backpropagates; its gradients are divided by W, as DDP averages them, and compared
+with the brute-force reference of ``references.py`` on the concatenated batch, in
+float64: the mean of the returned values, every input row's gradient, and the
+gradients of a learnable logit scale and bias. Tolerance 1e-10: only summation order
+differs. Before the loss, each rank scales its rows by a factor of its own, so
+that gradients routed to the wrong rank's rows cannot cancel out.
+
+Negative controls, run in the same processes: the gather without gradient (as
+``Accelerator.gather``), the all-reduce without gradient (lightly #1977), per-rank
+BatchNorm-style standardisation (lightly's Barlow Twins) and the per-rank softmax
+of DCLW's weights (lightly's DCLW) each break the equivalence by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from contrastive_accelerate.testing import run_on_ranks
+from losses import (
+    BarlowTwinsLoss,
+    DCLLoss,
+    DCLWLoss,
+    InfoNCELoss,
+    NTXentLoss,
+    SigLIPLoss,
+    SupConLoss,
+)
+
+from loss_cases import (
+    CASES,
+    TEMPERATURE,
+    Patched,
+    evaluate,
+    global_batch,
+    max_abs,
+    owner_scales,
+)
+
+EXACT = 1e-10
+
+
+def loss_worker(rank: int, world_size: int, name: str, sizes: list[int]) -> dict:
+    case = CASES[name]
+    batch = global_batch(sum(sizes))
+    scales = owner_scales(sizes)
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    reference = evaluate(
+        case, case.reference, batch["out0"], batch["out1"], batch["labels"], scales
+    )
+
+    def errors(loss_module) -> dict[str, float]:
+        loss, grad0, grad1, scalar_grads = evaluate(
+            case,
+            loss_module,
+            batch["out0"][rows],
+            batch["out1"][rows],
+            batch["labels"][rows],
+            scales[rows],
+        )
+        mean_loss, scalar_grads = loss.clone(), scalar_grads.clone()
+        dist.all_reduce(mean_loss)
+        dist.all_reduce(scalar_grads)  # what DDP does with a parameter's gradients, then / W
+        return {
+            "value": abs(mean_loss.item() / world_size - reference[0].item()),
+            "input_grad": max(
+                max_abs(grad0 / world_size, reference[1][rows]),
+                max_abs(grad1 / world_size, reference[2][rows]),
+            ),
+            "scalar_grad": max_abs(scalar_grads / world_size, reference[3]),
+        }
+
+    result = {"correct": errors(case.make())}
+    for control, make in case.controls.items():
+        made = make()
+        if isinstance(made, Patched):
+            with made:
+                result[control] = errors(case.make())
+        else:
+            result[control] = errors(made)
+    return result
+
+
+SPLITS = {2: [3, 2], 3: [2, 0, 3]}
+PARAMS = [
+    pytest.param((name, world_size), id=f"{name}-W{world_size}")
+    for name in CASES
+    for world_size in SPLITS
+]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def results(request):
+    name, world_size = request.param
+    return name, run_on_ranks(loss_worker, world_size, name, SPLITS[world_size])
+
+
+def test_distributed_equals_single_process_on_the_concatenated_batch(results):
+    name, per_rank = results
+    worst = {
+        key: max(result["correct"][key] for result in per_rank)
+        for key in ("value", "input_grad", "scalar_grad")
+    }
+    print(f"{name}: " + ", ".join(f"{key} {value:.2e}" for key, value in worst.items()))
+    assert max(worst.values()) <= EXACT
+
+
+def test_negative_controls_break_the_equivalence(results):
+    name, per_rank = results
+    for control in CASES[name].controls:
+        worst = max(max(result[control].values()) for result in per_rank)
+        print(f"{name} {control}: {worst:.2e}")
+        assert worst > 1e3 * EXACT, control
+
+
+# Peers on one process: the same value and input gradients as lightly and open_clip.
+
+try:
+    import lightly.loss as lightly_loss
+except ImportError:  # a test-only extra
+    lightly_loss = None
+try:
+    import open_clip.loss as open_clip_loss
+except ImportError:
+    open_clip_loss = None
+
+PEERS = {
+    "ntxent": ("lightly", lambda: lightly_loss.NTXentLoss(TEMPERATURE)),
+    "dcl": ("lightly", lambda: lightly_loss.DCLLoss(TEMPERATURE)),
+    "dclw": ("lightly", lambda: lightly_loss.DCLWLoss(TEMPERATURE, sigma=0.5)),
+    "barlowtwins": ("lightly", lambda: lightly_loss.BarlowTwinsLoss(lambda_param=0.1)),
+    "vicreg": ("lightly", lambda: lightly_loss.VICRegLoss()),
+    "infonce": ("open_clip", lambda: open_clip_loss.ClipLoss()),
+    "siglip": ("open_clip", lambda: open_clip_loss.SigLipLoss()),
+}
+
+
+@pytest.mark.parametrize("name", list(PEERS))
+def test_single_process_value_equals_the_peers(name):
+    library, make_peer = PEERS[name]
+    if {"lightly": lightly_loss, "open_clip": open_clip_loss}[library] is None:
+        pytest.skip(f"{library} is not installed (pip install -e '.[test]')")
+    case = CASES[name]
+    batch = global_batch(8)
+    scales = owner_scales([8])
+    ours = evaluate(case, case.make(), batch["out0"], batch["out1"], batch["labels"], scales)
+    peer = evaluate(case, make_peer(), batch["out0"], batch["out1"], batch["labels"], scales)
+    errors = [max_abs(a, b) for a, b in zip(ours, peer, strict=True)]
+    print(f"{name} vs {library}: value {errors[0]:.2e}, gradients {max(errors[1:]):.2e}")
+    assert max(errors) <= EXACT
+
+
+def peer_worker(rank: int, world_size: int, name: str) -> dict:
+    """lightly's distributed mode against its own single-process value, and ours."""
+    batch = global_batch(4 * world_size)  # lightly's gather needs equal batch sizes
+    rows = slice(4 * rank, 4 * (rank + 1))
+    ours, peer = {
+        "dclw": (
+            lambda gather: DCLWLoss(TEMPERATURE, sigma=0.5, gather_distributed=gather),
+            lambda gather: lightly_loss.DCLWLoss(TEMPERATURE, sigma=0.5, gather_distributed=gather),
+        ),
+        "barlowtwins": (
+            lambda gather: BarlowTwinsLoss(0.1, gather_distributed=gather),
+            lambda gather: lightly_loss.BarlowTwinsLoss(
+                lambda_param=0.1, gather_distributed=gather
+            ),
+        ),
+    }[name]
+    differences = {}
+    for label, make in (("lightly", peer), ("ours", ours)):
+        local = make(True)(batch["out0"][rows], batch["out1"][rows]).detach()
+        dist.all_reduce(local)
+        whole = make(False)(batch["out0"], batch["out1"]).detach()  # one process's view
+        differences[label] = abs(local.item() / world_size - whole.item())
+    return differences
+
+
+@pytest.mark.skipif(lightly_loss is None, reason="lightly is not installed")
+@pytest.mark.parametrize("name", ["dclw", "barlowtwins"])
+def test_peer_per_rank_statistics_differ_from_its_single_process_value(name):
+    """lightly's DCLW takes its softmax over each rank's batch and its Barlow Twins
+    standardises with each rank's statistics: distributed, each is a different
+    function from the single-process one. Ours is the same function."""
+    values = run_on_ranks(peer_worker, 2, name)[0]
+    print(
+        f"{name}, 2 ranks vs 1 process: lightly {values['lightly']:.2e}, ours {values['ours']:.2e}"
+    )
+    assert values["lightly"] > 1e3 * EXACT
+    assert values["ours"] <= EXACT
+
+
+# Bad input raises the same ValueError on every rank, never a hang.
+
+BAD_INPUTS = {
+    "shape_mismatch_on_last_rank": "different shapes",
+    "nan_on_rank_0": "NaN or Inf",
+    "one_sample_in_the_global_batch": "the global batch has 1 sample",
+    "labels_of_the_wrong_length_on_last_rank": "one label per sample",
+    "nan_logit_scale_on_last_rank": "must be finite scalars",
+}
+
+
+def bad_input_worker(rank: int, world_size: int) -> dict:
+    last, messages = world_size - 1, {}
+    for name, case in CASES.items():
+        criterion = case.make()
+        n = 3
+        good = torch.randn(n, 4, dtype=torch.float64)
+        labels = torch.zeros(n, dtype=torch.long)
+        scale, bias = torch.tensor(2.0), torch.tensor(0.0)
+        inputs = {
+            "shape_mismatch_on_last_rank": (good, torch.randn(n, 3) if rank == last else good),
+            "nan_on_rank_0": (good.clone().fill_(math.nan) if rank == 0 else good, good),
+            "one_sample_in_the_global_batch": (good[: int(rank == 0)],) * 2,
+            "labels_of_the_wrong_length_on_last_rank": (good, good),
+            "nan_logit_scale_on_last_rank": (good, good),
+        }
+        for problem, (out0, out1) in inputs.items():
+            bad_labels = labels[:1] if problem.startswith("labels") and rank == last else labels
+            bad_scale = (
+                torch.tensor(math.nan)
+                if problem.startswith("nan_logit") and rank == last
+                else scale
+            )
+            extra = {
+                "labels": (
+                    bad_labels[: len(out0)] if not problem.startswith("labels") else bad_labels,
+                ),
+                "scale": (bad_scale,),
+                "scale_bias": (bad_scale, bias),
+                "": (),
+            }[case.extra]
+            try:
+                criterion(out0, out1, *extra)
+                messages[name, problem] = None
+            except ValueError as error:
+                messages[name, problem] = str(error)
+            dist.barrier()  # the group is still usable: nobody is stuck in a collective
+    return messages
+
+
+def _applies(name: str, problem: str) -> bool:
+    extra = CASES[name].extra
+    if problem.startswith("labels"):
+        return extra == "labels"
+    if problem.startswith("nan_logit"):
+        return extra in ("scale", "scale_bias")
+    if problem.startswith("one_sample"):
+        return not name.startswith("siglip")  # one pair is a valid SigLIP batch
+    return True
+
+
+@pytest.fixture(scope="module")
+def bad_input_results():
+    return run_on_ranks(bad_input_worker, 2)
+
+
+@pytest.mark.parametrize("problem", list(BAD_INPUTS))
+def test_bad_input_raises_on_every_rank(bad_input_results, problem):
+    for name in CASES:
+        if not _applies(name, problem):
+            continue
+        for rank, messages in enumerate(bad_input_results):
+            message = messages[name, problem]
+            assert message is not None, f"{name}: rank {rank} did not raise for {problem}"
+            assert BAD_INPUTS[problem] in message, (name, message)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: NTXentLoss(0.1, 4096),  # lightly's second positional: memory_bank_size
+        lambda: DCLLoss(0.1, None),
+        lambda: DCLWLoss(0.1, 0.5),
+        lambda: SupConLoss(0.1, False),
+        lambda: InfoNCELoss(True),
+        lambda: SigLIPLoss(True),
+    ],
+    ids=["ntxent", "dcl", "dclw", "supcon", "infonce", "siglip"],
+)
+def test_arguments_after_the_first_are_keyword_only(call):
+    with pytest.raises(TypeError, match="positional argument"):
+        call()
