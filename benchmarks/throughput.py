@@ -54,7 +54,7 @@ def hand_written_loop(config: TrainConfig) -> float:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     step, started = 0, time.perf_counter()
     while step < config.max_steps:
-        for view0, view1 in loader:
+        for view0, view1, _ in loader:
             out0, out1 = model(torch.cat([view0, view1])).split(len(view0))
             loss = criterion(out0, out1)
             accelerator.backward(loss)
@@ -74,6 +74,7 @@ def trainer_throughput(
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as output_dir:
             config = TrainConfig(
+                lr=0.03,
                 max_steps=steps,
                 batch_size=batch_size,
                 image_size=image_size,

@@ -329,7 +329,7 @@ class TwoViews(torch.utils.data.Dataset):
 
     def __getitem__(
         self, item: tuple[int, int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | UnreadableImage:
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | UnreadableImage:
         """Two views of sample ``index``; an unreadable image is returned, not raised, so
         that the trainer can tell every rank about it before the next collective."""
         epoch, index = item
@@ -340,7 +340,7 @@ class TwoViews(torch.utils.data.Dataset):
             # this dataset and its Arrow tables alive in a reference cycle until shutdown.
             return UnreadableImage(str(unreadable))
         if not self.per_sample_seed:
-            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image))
+            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
         # Reseed the CPU generator that torchvision draws from, and restore it so the
         # caller's stream (e.g. dropout when num_workers=0) is untouched. Not
         # torch.manual_seed: it also seeds every accelerator backend, ~100x slower.
@@ -348,26 +348,39 @@ class TwoViews(torch.utils.data.Dataset):
         caller_state = generator.get_state()
         generator.manual_seed(derive_seed(self.seed, _AUGMENT_STREAM, epoch, index))
         try:
-            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image))
+            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
         finally:
             generator.set_state(caller_state)
 
     def collate(self, items: list) -> TwoViewBatch:
-        """Stack the readable items' views; an empty share (short last batch on many ranks)
-        gives empty tensors. Unreadable images are left out and listed in ``unreadable``."""
+        """Stack the readable items' views and dataset indices; an empty share (short last
+        batch on many ranks) gives empty tensors. Unreadable images are left out and
+        listed in ``unreadable``."""
         unreadable = [item for item in items if isinstance(item, UnreadableImage)]
         views = [item for item in items if not isinstance(item, UnreadableImage)]
         if not views:
             empty = torch.empty(0, 3, self.image_size, self.image_size)
-            return TwoViewBatch(empty, empty.clone(), unreadable)
-        first, second = zip(*views, strict=True)
-        return TwoViewBatch(torch.stack(first), torch.stack(second), unreadable)
+            return TwoViewBatch(empty, empty.clone(), torch.empty(0, dtype=torch.long), unreadable)
+        first, second, indices = zip(*views, strict=True)
+        return TwoViewBatch(
+            torch.stack(first), torch.stack(second), torch.tensor(indices), unreadable
+        )
 
 
 class TwoViewBatch(NamedTuple):
     view0: torch.Tensor
     view1: torch.Tensor
+    indices: torch.Tensor  # each sample's index in the dataset
     unreadable: list[UnreadableImage]
+
+
+def label_ids(dataset, label_column: str) -> torch.Tensor:
+    """Every sample's label as an integer class id (string labels are numbered in sorted order)."""
+    labels = dataset[label_column]
+    if all(isinstance(label, int) and not isinstance(label, bool) for label in labels):
+        return torch.tensor(labels, dtype=torch.long)
+    classes = {label: i for i, label in enumerate(sorted(set(map(str, labels))))}
+    return torch.tensor([classes[str(label)] for label in labels], dtype=torch.long)
 
 
 class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torchvision
 from huggingface_hub import PyTorchModelHubMixin
@@ -14,8 +16,11 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     """Encoder + projection head (Chen et al., 2020, "A Simple Framework for Contrastive Learning").
 
     ``backbone`` is a torchvision ResNet (randomly initialised: nothing downloads)
-    with the projection head Linear-BN-ReLU-Linear, or ``"mlp"``: a small
-    BatchNorm-free encoder and head for fast exactness checks. For images of at
+    with the projection head Linear-BN-ReLU-Linear (``projection_layers`` 3 gives
+    Barlow Twins' and VICReg's Linear-BN-ReLU-Linear-BN-ReLU-Linear), or ``"mlp"``: a
+    small BatchNorm-free encoder and head for fast exactness checks. ``logit_scale``
+    and ``logit_bias`` add learnable parameters initialised to these values for the
+    CLIP-style losses (InfoNCE, SigLIP). For images of at
     most ``small_image_max_size`` pixels the ResNet stem is the CIFAR one
     (3x3 stride-1 conv, no max-pool), as in the SimCLR paper's CIFAR-10 runs.
 
@@ -33,11 +38,24 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         in_channels: int = 3,
         projection_hidden_dim: int = 512,
         projection_dim: int = 128,
+        projection_layers: int = 2,
         small_image_max_size: int = 64,
+        logit_scale: float | None = None,
+        logit_bias: float | None = None,
     ) -> None:
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
+        if projection_layers < 2:
+            raise ValueError(f"projection_layers must be >= 2, got {projection_layers}")
+        # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
+        # the model, so DDP synchronises them and checkpoints carry them.
+        self.log_logit_scale = (
+            nn.Parameter(torch.tensor(math.log(logit_scale))) if logit_scale is not None else None
+        )
+        self.logit_bias = (
+            nn.Parameter(torch.tensor(float(logit_bias))) if logit_bias is not None else None
+        )
         if backbone == "mlp":
             hidden = 256
             self.encoder = nn.Sequential(
@@ -46,11 +64,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
                 nn.ReLU(),
                 nn.Linear(hidden, hidden),
             )
-            self.projection_head = nn.Sequential(
-                nn.ReLU(),
-                nn.Linear(hidden, projection_hidden_dim),
-                nn.ReLU(),
-                nn.Linear(projection_hidden_dim, projection_dim),
+            self.projection_head = _head(
+                hidden, projection_hidden_dim, projection_dim, projection_layers, batch_norm=False
             )
             return
         resnet = torchvision.models.get_model(backbone, weights=None)
@@ -66,12 +81,14 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         feature_dim = resnet.fc.in_features
         resnet.fc = nn.Identity()
         self.encoder = resnet
-        self.projection_head = nn.Sequential(
-            nn.Linear(feature_dim, projection_hidden_dim, bias=False),
-            nn.BatchNorm1d(projection_hidden_dim),
-            nn.ReLU(),
-            nn.Linear(projection_hidden_dim, projection_dim),
+        self.projection_head = _head(
+            feature_dim, projection_hidden_dim, projection_dim, projection_layers, batch_norm=True
         )
+
+    @property
+    def logit_scale(self) -> torch.Tensor | None:
+        """``exp`` of the learnable log-scale (CLIP's inverse temperature), or None."""
+        return None if self.log_logit_scale is None else self.log_logit_scale.exp()
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""
@@ -79,3 +96,19 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.projection_head(self.encoder(images))
+
+
+def _head(in_dim: int, hidden: int, out: int, layers: int, batch_norm: bool) -> nn.Sequential:
+    """``layers`` linear layers, each hidden one followed by BatchNorm (ResNets) and ReLU:
+    SimCLR's head with 2 layers, Barlow Twins' and VICReg's projector with 3."""
+    modules: list[nn.Module] = []
+    if not batch_norm:
+        modules.append(nn.ReLU())  # the mlp encoder ends in a linear layer
+    dims = [in_dim] + [hidden] * (layers - 1)
+    for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):
+        modules.append(nn.Linear(fan_in, fan_out, bias=not batch_norm))
+        if batch_norm:
+            modules.append(nn.BatchNorm1d(fan_out))
+        modules.append(nn.ReLU())
+    modules.append(nn.Linear(dims[-1], out))
+    return nn.Sequential(*modules)
