@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks import loss_family
 from benchmarks.gather import time_gathers
 from benchmarks.loss import peak_memory, time_losses
 from benchmarks.throughput import augmentation_cost, trainer_throughput
@@ -57,6 +58,10 @@ def run(quick: bool) -> dict:
         for pairs in ([4096] if quick else [16384, 32768])
     ]
     print("tiled large: done", flush=True)
+    if has_lightly and _has_open_clip():
+        results["loss_family"] = loss_family.run(
+            pairs=512 if quick else 4096, repeats=3 if quick else 5
+        )
     results["gather"] = time_gathers(
         [256, 4096] if quick else [256, 4096, 32768], repeats=5 if quick else 9
     )
@@ -71,6 +76,15 @@ def _has_lightly() -> bool:
         import lightly.loss  # noqa: F401
     except ImportError:
         print("lightly is not installed (pip install -e '.[bench]'): no reference loss")
+        return False
+    return True
+
+
+def _has_open_clip() -> bool:
+    try:
+        import open_clip.loss  # noqa: F401
+    except ImportError:
+        print("open_clip is not installed (pip install -e '.[bench]'): no loss-family table")
         return False
     return True
 
@@ -129,6 +143,8 @@ def table(results: dict) -> str:
                 f"| {row['global_rows']} | {memory['extra_peak_bytes'] / MiB:.0f} MiB "
                 f"| {memory['seconds']:.1f} s |"
             )
+    if "loss_family" in results:
+        lines += ["", *loss_family.table_lines(results["loss_family"])]
     lines += [
         "",
         "Gather backward, 2 gloo processes, d=128, fp32 (median)",
