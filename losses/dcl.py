@@ -5,16 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from losses.distributed import gather
-from losses.inputs import batch_sizes, local_problem, require_global_batch
-from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
+from losses.logsumexp import DENSE_MAX_BYTES
 from losses.precision import autocast_off
-from losses.views import check_temperature, normalized, views_and_keys
+from losses.views import GatheredViews, TwoViewLoss
 
 
-class DCLLoss(nn.Module):
+class DCLLoss(TwoViewLoss):
     """Decoupled contrastive loss, DCL (Yeh et al., 2021, "Decoupled Contrastive Learning").
 
     NT-Xent with the positive pair removed from the denominator. For the 2N
@@ -49,44 +47,26 @@ class DCLLoss(nn.Module):
         tile_rows: int | None = None,
         dense_max_bytes: int = DENSE_MAX_BYTES,
     ) -> None:
-        super().__init__()
-        check_temperature(type(self).__name__, temperature)
-        self.temperature = temperature
+        super().__init__(temperature, gather_distributed, tile_rows, dense_max_bytes)
         self.weight_fn = weight_fn
-        self.gather_distributed = gather_distributed
-        self.tile_rows = tile_rows
-        self.dense_max_bytes = dense_max_bytes
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
-        name = type(self).__name__
-        rank, world_size, sizes = batch_sizes(
-            name, out0, local_problem(out0, out1), self.gather_distributed
-        )
-        require_global_batch(name, sizes, 2, "so that every sample has a negative")
         with autocast_off(out0.device):
-            z0, z1 = normalized(out0, out1)
-            local, keys, offset = views_and_keys(z0, z1, rank, world_size, sizes)
-            n = len(z0)
-            rows = torch.arange(2 * n, device=local.device)
-            own = offset + rows
-            positive_column = offset + (rows + n) % (2 * n)  # row i <-> row i + n
-            log_denominator = tiled_logsumexp(
-                local / self.temperature,
-                keys,
-                torch.stack([own, positive_column], dim=1),
-                self.tile_rows,
-                self.dense_max_bytes,
-            )
-            positive = (z0 * z1).sum(dim=1) / self.temperature
-            weights0, weights1 = self._positive_weights(z0, z1, sizes, world_size)
+            views = self._gathered(out0, out1)
+            own = self._own_columns(views)
+            n = len(views.z0)
+            positive_column = own.roll(n, dims=0)  # row i's positive is row i + n, and back
+            log_denominator = self._log_denominator(views, torch.cat([own, positive_column], 1))
+            positive = (views.z0 * views.z1).sum(dim=1) / self.temperature
+            weights0, weights1 = self._positive_weights(views)
             local_sum = log_denominator.sum() - ((weights0 + weights1) * positive).sum()
-            return local_sum * (world_size / (2 * sum(sizes)))
+            return self._global_mean(local_sum, views)
 
-    def _positive_weights(self, z0, z1, sizes, world_size):
+    def _positive_weights(self, views: GatheredViews):
         if self.weight_fn is None:
             return 1.0, 1.0
         with torch.no_grad():
-            return self.weight_fn(z0, z1), self.weight_fn(z1, z0)
+            return self.weight_fn(views.z0, views.z1), self.weight_fn(views.z1, views.z0)
 
 
 class DCLWLoss(DCLLoss):
@@ -125,9 +105,9 @@ class DCLWLoss(DCLLoss):
             raise ValueError(f"DCLWLoss: sigma must be positive, got {sigma}")
         self.sigma = sigma
 
-    def _positive_weights(self, z0, z1, sizes, world_size):
+    def _positive_weights(self, views: GatheredViews):
         with torch.no_grad():
-            similarity = (z0 * z1).sum(dim=1) / self.sigma
-            every = gather(similarity, sizes=sizes) if world_size > 1 else similarity
-            weights = 2 - sum(sizes) * torch.exp(similarity - torch.logsumexp(every, dim=0))
+            similarity = (views.z0 * views.z1).sum(dim=1) / self.sigma
+            every = gather(similarity, sizes=views.sizes) if views.world_size > 1 else similarity
+            weights = 2 - sum(views.sizes) * torch.exp(similarity - torch.logsumexp(every, dim=0))
         return weights, weights

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from losses.inputs import batch_sizes, local_problem, require_global_batch
-from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
+from losses.logsumexp import DENSE_MAX_BYTES
 from losses.precision import autocast_off
-from losses.views import check_temperature, normalized, views_and_keys
+from losses.views import TwoViewLoss
 
 
-class NTXentLoss(nn.Module):
+class NTXentLoss(TwoViewLoss):
     """Normalised temperature-scaled cross entropy (NT-Xent), SimCLR (Chen et al., 2020).
 
     For the 2N L2-normalised embeddings of N pairs in the global batch, with
@@ -50,29 +48,11 @@ class NTXentLoss(nn.Module):
         tile_rows: int | None = None,
         dense_max_bytes: int = DENSE_MAX_BYTES,
     ) -> None:
-        super().__init__()
-        check_temperature(type(self).__name__, temperature)
-        if tile_rows is not None and tile_rows < 1:
-            raise ValueError(f"{type(self).__name__}: tile_rows must be >= 1, got {tile_rows}")
-        self.temperature = temperature
-        self.gather_distributed = gather_distributed
-        self.tile_rows = tile_rows
-        self.dense_max_bytes = dense_max_bytes
+        super().__init__(temperature, gather_distributed, tile_rows, dense_max_bytes)
 
     def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
-        name = type(self).__name__
-        rank, world_size, sizes = batch_sizes(
-            name, out0, local_problem(out0, out1), self.gather_distributed
-        )
-        require_global_batch(name, sizes, 2, "so that every sample has a negative")
         with autocast_off(out0.device):
-            z0, z1 = normalized(out0, out1)
-            local, keys, offset = views_and_keys(z0, z1, rank, world_size, sizes)
-            rows = torch.arange(len(local), device=local.device)
-            own_column = (offset + rows)[:, None]
-            log_denominator = tiled_logsumexp(
-                local / self.temperature, keys, own_column, self.tile_rows, self.dense_max_bytes
-            )
-            positive = (z0 * z1).sum(dim=1) / self.temperature
-            local_sum = log_denominator.sum() - 2 * positive.sum()
-            return local_sum * (world_size / (2 * sum(sizes)))
+            views = self._gathered(out0, out1)
+            log_denominator = self._log_denominator(views, self._own_columns(views))
+            positive = (views.z0 * views.z1).sum(dim=1) / self.temperature
+            return self._global_mean(log_denominator.sum() - 2 * positive.sum(), views)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from losses.distributed import gather
-from losses.inputs import batch_sizes, local_problem, require_global_batch
-from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
+from losses.logsumexp import DENSE_MAX_BYTES
 from losses.precision import autocast_off
-from losses.views import check_temperature, normalized, views_and_keys
+from losses.views import GatheredViews, TwoViewLoss
 
 
-class SupConLoss(nn.Module):
+class SupConLoss(TwoViewLoss):
     """Supervised contrastive loss (Khosla et al., 2020), the paper's L_out, "all" mode.
 
     Every one of the 2N L2-normalised views is an anchor; its positives P(i) are all
@@ -44,46 +42,29 @@ class SupConLoss(nn.Module):
         tile_rows: int | None = None,
         dense_max_bytes: int = DENSE_MAX_BYTES,
     ) -> None:
-        super().__init__()
-        check_temperature(type(self).__name__, temperature)
-        self.temperature = temperature
-        self.gather_distributed = gather_distributed
+        super().__init__(temperature, gather_distributed, tile_rows, dense_max_bytes)
         self.rescale = rescale
-        self.tile_rows = tile_rows
-        self.dense_max_bytes = dense_max_bytes
 
     def forward(
         self, out0: torch.Tensor, out1: torch.Tensor, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        name = type(self).__name__
-        rank, world_size, sizes = batch_sizes(
-            name, out0, local_problem(out0, out1, labels), self.gather_distributed
-        )
-        require_global_batch(name, sizes, 2, "so that every sample has a negative")
         with autocast_off(out0.device):
-            z0, z1 = normalized(out0, out1)
-            local, keys, offset = views_and_keys(z0, z1, rank, world_size, sizes)
-            rows = torch.arange(len(local), device=local.device)
-            log_denominator = tiled_logsumexp(
-                local / self.temperature,
-                keys,
-                (offset + rows)[:, None],
-                self.tile_rows,
-                self.dense_max_bytes,
-            )
+            views = self._gathered(out0, out1, labels)
+            log_denominator = self._log_denominator(views, self._own_columns(views))
             if labels is None:
-                positive = 2 * (z0 * z1).sum(dim=1).sum() / self.temperature
+                positive = 2 * (views.z0 * views.z1).sum() / self.temperature
             else:
-                positive = self._mean_positive_similarity(local, keys, labels, sizes, world_size)
-            loss = (log_denominator.sum() - positive) * (world_size / (2 * sum(sizes)))
+                positive = self._mean_positive_similarity(views, labels)
+            loss = self._global_mean(log_denominator.sum() - positive, views)
             return loss * self.temperature if self.rescale else loss
 
-    def _mean_positive_similarity(self, local, keys, labels, sizes, world_size) -> torch.Tensor:
+    def _mean_positive_similarity(self, views: GatheredViews, labels) -> torch.Tensor:
         """``sum_i 1/|P(i)| sum_{p in P(i)} s_ip`` over this rank's anchors."""
+        local, keys = views.local, views.keys
         labels = labels.to(local.device).long()
-        every = gather(labels, sizes=sizes) if world_size > 1 else labels
+        every = gather(labels, sizes=views.sizes) if views.world_size > 1 else labels
         # Key labels in the keys' order: each rank's first views, then its second views.
-        key_labels = torch.cat([torch.cat([block, block]) for block in every.split(sizes)])
+        key_labels = torch.cat([torch.cat([block, block]) for block in every.split(views.sizes)])
         classes, key_class = torch.unique(key_labels, return_inverse=True)
         class_sums = keys.new_zeros(len(classes), keys.shape[1]).index_add(0, key_class, keys)
         class_sizes = torch.bincount(key_class, minlength=len(classes))

@@ -1,33 +1,86 @@
-"""What the two-view losses share: their inputs normalised and gathered the same way."""
+"""What the two-view softmax losses (NT-Xent, DCL, DCLW, SupCon) share.
+
+A temperature, optional row tiles, and the same first steps: check the inputs on
+every rank, L2-normalise both views in the loss's compute dtype, and gather every
+rank's rows with gradients. Each loss then differs only in which columns it leaves
+out of its log-sum-exp and in its positive term.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from losses.distributed import gather
+from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
 from losses.precision import compute_dtype
 
 
-def check_temperature(name: str, temperature: float) -> None:
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"{name}: temperature must be positive, got {temperature}")
+class GatheredViews(NamedTuple):
+    """This rank's normalised views, and every rank's, gathered in rank order."""
+
+    z0: torch.Tensor  # (n, d) first views of this rank's samples
+    z1: torch.Tensor  # (n, d) their second views
+    local: torch.Tensor  # (2n, d) rows [z0; z1]
+    keys: torch.Tensor  # (2N, d) every rank's rows: rank r's n_r first views, then its second
+    offset: int  # the column of this rank's first row among the keys
+    world_size: int
+    sizes: list[int]  # every rank's n
 
 
-def normalized(out0: torch.Tensor, out1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both views L2-normalised in the loss's compute dtype (float32, or float64)."""
-    dtype = compute_dtype(out0, out1)
-    return F.normalize(out0.to(dtype), dim=1), F.normalize(out1.to(dtype), dim=1)
+class TwoViewLoss(nn.Module):
+    """Base of NT-Xent, DCL, DCLW and SupCon: their options and their common first steps."""
 
+    def __init__(
+        self,
+        temperature: float,
+        gather_distributed: bool,
+        tile_rows: int | None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"{name}: temperature must be positive, got {temperature}")
+        if tile_rows is not None and tile_rows < 1:
+            raise ValueError(f"{name}: tile_rows must be >= 1, got {tile_rows}")
+        self.temperature = temperature
+        self.gather_distributed = gather_distributed
+        self.tile_rows = tile_rows
+        self.dense_max_bytes = dense_max_bytes
 
-def views_and_keys(
-    z0: torch.Tensor, z1: torch.Tensor, rank: int, world_size: int, sizes: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """This rank's rows ``[z0; z1]``; every rank's rows, gathered in rank order with
-    gradients (the keys: rank r's block is its n_r first views, then its n_r second
-    views); and the column of this rank's first row among the keys."""
-    local = torch.cat([z0, z1])
-    keys = gather(local, sizes=[2 * size for size in sizes]) if world_size > 1 else local
-    return local, keys, 2 * sum(sizes[:rank])
+    def _gathered(self, out0, out1, labels: torch.Tensor | None = None) -> GatheredViews:
+        """Check, normalise and gather the two views (call with autocast off)."""
+        name = type(self).__name__
+        problem = local_problem(out0, out1, labels)
+        rank, world_size, sizes = batch_sizes(name, out0, problem, self.gather_distributed)
+        require_global_batch(name, sizes, 2, "so that every sample has a negative")
+        dtype = compute_dtype(out0, out1)
+        z0, z1 = F.normalize(out0.to(dtype), dim=1), F.normalize(out1.to(dtype), dim=1)
+        local = torch.cat([z0, z1])
+        keys = gather(local, sizes=[2 * size for size in sizes]) if world_size > 1 else local
+        return GatheredViews(z0, z1, local, keys, 2 * sum(sizes[:rank]), world_size, sizes)
+
+    def _log_denominator(self, views: GatheredViews, excluded: torch.Tensor) -> torch.Tensor:
+        """``log sum_j exp(z_i . k_j / t)`` for every local row, ``excluded`` columns left out."""
+        return tiled_logsumexp(
+            views.local / self.temperature, views.keys, excluded, self.tile_rows,
+            self.dense_max_bytes,
+        )  # fmt: skip
+
+    @staticmethod
+    def _own_columns(views: GatheredViews) -> torch.Tensor:
+        """Each local row's own column among the keys, as a (2n, 1) index."""
+        rows = torch.arange(len(views.local), device=views.local.device)
+        return (views.offset + rows)[:, None]
+
+    @staticmethod
+    def _global_mean(local_sum: torch.Tensor, views: GatheredViews) -> torch.Tensor:
+        """A sum over this rank's 2n anchors, scaled so that the mean over ranks is the mean
+        over all 2N anchors and DDP's gradient average is the single-process gradient."""
+        return local_sum * (views.world_size / (2 * sum(views.sizes)))

@@ -65,9 +65,10 @@ class NoGradAllReduce(torch.autograd.Function):
 class PerRankSoftmaxDCLW(DCLWLoss):
     """lightly's DCLW weights: softmax and N of this rank's batch only."""
 
-    def _positive_weights(self, z0, z1, sizes, world_size):
+    def _positive_weights(self, views):
         with torch.no_grad():
-            weights = 2 - len(z0) * torch.softmax((z0 * z1).sum(dim=1) / self.sigma, dim=0)
+            similarity = (views.z0 * views.z1).sum(dim=1) / self.sigma
+            weights = 2 - len(views.z0) * torch.softmax(similarity, dim=0)
         return weights, weights
 
 
