@@ -200,6 +200,7 @@ def test_peer_per_rank_statistics_differ_from_its_single_process_value(name):
 
 BAD_INPUTS = {
     "shape_mismatch_on_last_rank": "different shapes",
+    "not_2d_on_rank_0": "must be 2-D",
     "nan_on_rank_0": "NaN or Inf",
     "one_sample_in_the_global_batch": "the global batch has 1 sample",
     "labels_of_the_wrong_length_on_last_rank": "one label per sample",
@@ -217,6 +218,7 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
         scale, bias = torch.tensor(2.0), torch.tensor(0.0)
         inputs = {
             "shape_mismatch_on_last_rank": (good, torch.randn(n, 3) if rank == last else good),
+            "not_2d_on_rank_0": (good[:, :, None] if rank == 0 else good,) * 2,
             "nan_on_rank_0": (good.clone().fill_(math.nan) if rank == 0 else good, good),
             "one_sample_in_the_global_batch": (good[: int(rank == 0)],) * 2,
             "labels_of_the_wrong_length_on_last_rank": (good, good),

@@ -1,4 +1,5 @@
-"""Every numeric primitive under ``torch.autocast`` bf16 on CPU, on 1 process and on 2 gloo ranks.
+"""Every numeric primitive under ``torch.autocast`` bf16 on CPU, on 1 process and on 2 gloo ranks
+(and every loss on float16 inputs too).
 
 What is exact and what is not:
 - Every loss computes in float32 whatever autocast says, so inside an autocast block
@@ -82,7 +83,14 @@ def losses_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
             case, criterion, bf16_0.float(), bf16_1.float(), labels, False
         )
         scale = upcast_grad.abs().max().item() or 1.0
+        half_0, half_1 = out0.half(), out1.half()
+        half_loss, half_grad = _loss_and_grad(case, criterion, half_0, half_1, labels, False)
+        half_upcast, _ = _loss_and_grad(
+            case, criterion, half_0.float(), half_1.float(), labels, False
+        )
         results[name] = {
+            "fp16_grad_dtype": str(half_grad.dtype),
+            "fp16_loss_vs_upcast": _max_abs(half_loss, half_upcast),
             "autocast_loss_dtype": str(autocast_loss.dtype),
             "autocast_vs_float32": max(
                 _max_abs(autocast_loss, float32_loss), _max_abs(autocast_grad, float32_grad)
@@ -123,6 +131,14 @@ def test_loss_on_bf16_inputs_computes_in_float32(loss_results, name):
     assert all(result[name]["bf16_grad_dtype"] == "torch.bfloat16" for result in loss_results)
     assert loss_error <= FLOAT32_SAME_OPS
     assert grad_error <= BF16_STEP
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_on_fp16_inputs_computes_in_float32(loss_results, name):
+    loss_error = max(result[name]["fp16_loss_vs_upcast"] for result in loss_results)
+    print(f"{name} on fp16 inputs: loss vs float32 of the same values {loss_error:.3e}")
+    assert all(result[name]["fp16_grad_dtype"] == "torch.float16" for result in loss_results)
+    assert loss_error <= FLOAT32_SAME_OPS
 
 
 def test_negative_control_bf16_similarities_miss_float32():
