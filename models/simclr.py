@@ -9,7 +9,10 @@ import torchvision
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "mlp")
+BACKBONES = ("resnet18", "resnet34", "resnet50", "vit_tiny", "vit_small", "mlp")
+#: Vision Transformers (Dosovitskiy et al., 2021) in DeiT's sizes (Touvron et al., 2021):
+#: layers, heads, width, MLP width.
+VIT_SIZES = {"vit_tiny": (12, 3, 192, 768), "vit_small": (12, 6, 384, 1536)}
 
 
 class SimCLR(nn.Module, PyTorchModelHubMixin):
@@ -17,8 +20,13 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
 
     ``backbone`` is a torchvision ResNet (randomly initialised: nothing downloads)
     with the projection head Linear-BN-ReLU-Linear (``projection_layers`` 3 gives
-    Barlow Twins' and VICReg's Linear-BN-ReLU-Linear-BN-ReLU-Linear), or ``"mlp"``: a
-    small BatchNorm-free encoder and head for fast exactness checks. ``logit_scale``
+    Barlow Twins' and VICReg's Linear-BN-ReLU-Linear-BN-ReLU-Linear); a torchvision
+    ``VisionTransformer`` (``"vit_tiny"``, ``"vit_small"``: LayerNorm, no batch
+    statistics, the class token as feature, patches of 16 pixels above 64 px and
+    ``image_size / 8`` below) with a BatchNorm-free head; or ``"mlp"``: a small
+    BatchNorm-free encoder and head for fast exactness checks. ``dropout`` applies to
+    the ViT's and the mlp's ``nn.Dropout`` layers (attention dropout stays 0: see
+    ``models.dropout``). ``logit_scale``
     and ``logit_bias`` add learnable parameters initialised to these values for the
     CLIP-style losses (InfoNCE, SigLIP). For images of at
     most ``small_image_max_size`` pixels the ResNet stem is the CIFAR one
@@ -42,12 +50,15 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         small_image_max_size: int = 64,
         logit_scale: float | None = None,
         logit_bias: float | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
         if projection_layers < 2:
             raise ValueError(f"projection_layers must be >= 2, got {projection_layers}")
+        if dropout and backbone not in ("mlp", *VIT_SIZES):
+            raise ValueError(f"dropout applies to the vit and mlp backbones, not {backbone}")
         # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
         # the model, so DDP synchronises them and checkpoints carry them.
         self.log_logit_scale = (
@@ -62,10 +73,22 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
                 nn.Flatten(),
                 nn.Linear(in_channels * image_size * image_size, hidden),
                 nn.ReLU(),
+                *([nn.Dropout(dropout)] if dropout else []),
                 nn.Linear(hidden, hidden),
             )
             self.projection_head = _head(
                 hidden, projection_hidden_dim, projection_dim, projection_layers, batch_norm=False
+            )
+            return
+        if backbone in VIT_SIZES:
+            self.encoder = _vision_transformer(backbone, image_size, dropout)
+            self.projection_head = _head(
+                self.encoder.hidden_dim,
+                projection_hidden_dim,
+                projection_dim,
+                projection_layers,
+                batch_norm=False,
+                after_linear=False,
             )
             return
         resnet = torchvision.models.get_model(backbone, weights=None)
@@ -98,11 +121,34 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         return self.projection_head(self.encoder(images))
 
 
-def _head(in_dim: int, hidden: int, out: int, layers: int, batch_norm: bool) -> nn.Sequential:
+def _vision_transformer(name: str, image_size: int, dropout: float) -> nn.Module:
+    layers, heads, width, mlp_width = VIT_SIZES[name]
+    patch_size = 16 if image_size > 64 else max(1, image_size // 8)
+    if image_size % patch_size:
+        raise ValueError(
+            f"{name} at image size {image_size} needs it divisible by its patch size {patch_size}"
+        )
+    vit = torchvision.models.VisionTransformer(
+        image_size=image_size,
+        patch_size=patch_size,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=width,
+        mlp_dim=mlp_width,
+        dropout=dropout,
+        attention_dropout=0.0,  # drawn inside nn.MultiheadAttention: not per-sample
+    )
+    vit.heads = nn.Identity()  # the class token's features
+    return vit
+
+
+def _head(
+    in_dim: int, hidden: int, out: int, layers: int, batch_norm: bool, after_linear: bool = True
+) -> nn.Sequential:
     """``layers`` linear layers, each hidden one followed by BatchNorm (ResNets) and ReLU:
     SimCLR's head with 2 layers, Barlow Twins' and VICReg's projector with 3."""
     modules: list[nn.Module] = []
-    if not batch_norm:
+    if not batch_norm and after_linear:
         modules.append(nn.ReLU())  # the mlp encoder ends in a linear layer
     dims = [in_dim] + [hidden] * (layers - 1)
     for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):

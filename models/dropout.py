@@ -1,0 +1,156 @@
+"""Dropout whose mask belongs to the sample, not to the process.
+
+``torch.nn.Dropout`` draws its mask from the process's global RNG: the same sample
+gets a different mask on 1 or N processes, and a second forward of the same batch
+(gradient caching's recompute) gets a different mask again. ``SampleDropout`` makes
+the mask of row ``b`` a function of that row's key, the module and the element's
+position only::
+
+    keep[b, j] = hash(key[b] ^ hash(j + salt)) >= p * 2**32     (32-bit integer hashes)
+
+where ``key[b] = sample_keys(seed, step, index[b], view)`` is computed from the
+sample's global index in the dataset order, so every process, chunking and recompute
+draws the same mask for it. The hash is vectorised integer arithmetic on the tensor's
+device: no Python loop over samples, no generator state.
+
+    model = convert_sample_dropout(model)                # nn.Dropout -> SampleDropout
+    with sample_randomness(sample_keys(seed, step, indices, view=0)):
+        out = model(images)                              # row b drops by its own key
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+_ROW_KEYS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "sample_dropout_row_keys", default=None
+)
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive salts and seeds
+_MASK32 = 0xFFFFFFFF
+
+
+@contextmanager
+def sample_randomness(keys: torch.Tensor) -> Iterator[None]:
+    """Every ``SampleDropout`` that runs inside this block keys row ``b`` of its input by
+    ``keys[b]`` (one integer per row, e.g. from ``sample_keys``). Thread- and
+    task-local, so a model's ``forward`` signature stays as it is."""
+    token = _ROW_KEYS.set(keys)
+    try:
+        yield
+    finally:
+        _ROW_KEYS.reset(token)
+
+
+def sample_keys(seed: int, step: int, indices: torch.Tensor, view: int = 0) -> torch.Tensor:
+    """One 32-bit key per sample from (seed, step, the sample's dataset index, view):
+    independent of the process, the rank's share and the chunk the sample lands in."""
+    key = torch.full_like(indices, seed & _MASK32, dtype=torch.int64)
+    for value in (step, view):
+        key = _hash64(key ^ (value * _GOLDEN & _MASK32))
+    return _hash64(key ^ (indices.to(torch.int64) & _MASK32))
+
+
+class SampleDropout(nn.Module):
+    """``nn.Dropout(p)`` with a per-sample mask (see the module docstring).
+
+    Row ``b`` of the input (dim 0 is the batch, as in batch-first transformers) is
+    kept or dropped by the key given to ``sample_randomness``; ``salt`` tells this
+    module's mask apart from the other dropout layers' (``convert_sample_dropout``
+    numbers them). In ``eval()`` mode it is the identity and needs no keys.
+    """
+
+    def __init__(self, p: float = 0.5, salt: int = 0) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.salt = p, salt
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, salt={self.salt}"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        keys = _ROW_KEYS.get()
+        if keys is None:
+            raise RuntimeError(
+                "SampleDropout needs each row's key: run the forward inside "
+                "models.sample_randomness(keys)"
+            )
+        if keys.shape != input.shape[:1]:
+            raise RuntimeError(
+                f"SampleDropout got {input.shape[0]} rows and {len(keys)} keys: give one key "
+                "per row of the batch"
+            )
+        keep = self.mask(keys.to(input.device), input.shape)
+        # The bool mask is what autograd keeps for backward, as nn.Dropout's does.
+        return (input * keep).mul_(1.0 / (1.0 - self.p))
+
+    def mask(self, keys: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The bool keep-mask of a batch of ``shape`` whose rows have ``keys``."""
+        per_row = shape[1:].numel()
+        positions = torch.arange(per_row, device=keys.device, dtype=torch.int64)
+        position_codes = _to_int32(_hash64((positions + self.salt * _GOLDEN) & _MASK32))
+        bits = _hash32(_to_int32(keys & _MASK32)[:, None] ^ position_codes[None, :])
+        # bits is uniform over int32: P(bits < threshold) = p.
+        threshold = round(self.p * 2**32) - 2**31
+        return (bits >= threshold).view(shape)
+
+
+def convert_sample_dropout(module: nn.Module) -> nn.Module:
+    """Replace every ``nn.Dropout`` in ``module`` by a ``SampleDropout`` of the same ``p``
+    (each with its own salt), as ``convert_sync_batchnorm`` does for BatchNorm.
+
+    Raises ``ValueError`` for randomness it cannot key by sample: channel dropout
+    (``nn.Dropout1d/2d/3d``, ``AlphaDropout``) and the attention-probability dropout
+    inside ``nn.MultiheadAttention`` (``dropout > 0``), which PyTorch draws internally.
+    """
+    salt = 0
+    for name, child in module.named_modules():
+        if isinstance(child, nn.MultiheadAttention) and child.dropout > 0:
+            raise ValueError(
+                f"{name or 'the model'}: attention dropout ({child.dropout}) is drawn inside "
+                "nn.MultiheadAttention and cannot be made per-sample; set it to 0"
+            )
+        if isinstance(child, nn.modules.dropout._DropoutNd) and type(child) is not nn.Dropout:
+            raise ValueError(f"{name}: {type(child).__name__} cannot be made per-sample")
+
+    def convert(parent: nn.Module) -> nn.Module:
+        nonlocal salt
+        if type(parent) is nn.Dropout:
+            salt += 1
+            return SampleDropout(parent.p, salt=salt)
+        for child_name, child in parent.named_children():
+            parent.add_module(child_name, convert(child))
+        return parent
+
+    return convert(module)
+
+
+def _hash64(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32  # the product fits in 64 unsigned bits; the low 32 are kept
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """The same hash on int32 tensors (half the memory traffic of int64, for the per-element
+    pass): multiplication wraps modulo 2**32, and the masks make the shifts logical."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * (0x846CA68B - 2**32)
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as the int32 of the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
