@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from contrastive_accelerate.data import (
     label_ids,
     load_image_dataset,
 )
+from contrastive_accelerate.grad_cache import cached_backward, has_batch_statistics
 from contrastive_accelerate.knn import KnnData, knn_data, knn_top1
 from contrastive_accelerate.lars import LARS
 from contrastive_accelerate.preemption import EXIT_PREEMPTED, StopSignals, ignore_stop_signals
@@ -67,7 +69,15 @@ from losses import (
     SupConLoss,
     VICRegLoss,
 )
-from models import BACKBONES, SimCLR, convert_sync_batchnorm
+from models import (
+    BACKBONES,
+    SimCLR,
+    convert_sample_dropout,
+    convert_sync_batchnorm,
+    sample_keys,
+    sample_randomness,
+)
+from models.simclr import VIT_SIZES
 
 OPTIMIZERS = ("sgd", "adamw", "lars")
 #: --loss: the loss and the projection head (layers, hidden and output width) it trains.
@@ -197,6 +207,20 @@ class TrainConfig:
         resume="free",
         at_least=1,
     )
+    dropout: float | None = option(
+        None,
+        "dropout of the vit and mlp encoders; none: 0.1 for vit_tiny and vit_small, else 0",
+        resume="refuse",
+        at_least=0.0,
+        below=1.0,
+    )
+    dropout_masks: str = option(
+        "per-sample",
+        "per-sample (each sample's mask from seed, step and its dataset index: world-size "
+        "and chunking invariant) or per-process (torch's nn.Dropout, global RNG: a control)",
+        resume="refuse",
+        choices=("per-sample", "per-process"),
+    )
     sync_batchnorm: bool = option(
         True, "BatchNorm statistics over the global batch when W > 1", resume="refuse"
     )
@@ -208,6 +232,14 @@ class TrainConfig:
     # Optimisation
     batch_size: int = option(
         128, "global batch size (pairs), split across processes", resume="refuse", at_least=2
+    )
+    accumulation_chunks: int = option(
+        1,
+        "embed each process's share of the batch in this many chunks and backpropagate the "
+        "whole batch's loss through them (gradient caching): activation memory of one chunk, "
+        "gradient of the whole batch (exact without BatchNorm, which sees each chunk alone)",
+        resume="apply",
+        at_least=1,
     )
     epochs: int = option(30, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
@@ -286,6 +318,10 @@ class TrainConfig:
         validate(self)
         if self.overwrite_output_dir and self.resume_from:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
+        if self.dropout and self.model not in ("mlp", *VIT_SIZES):
+            raise ConfigError(
+                f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
+            )
 
 
 @dataclass
@@ -382,15 +418,23 @@ def _train(
         projection_dim=width,
         logit_scale=_logit_scale_init(config),
         logit_bias=config.logit_bias_init if config.loss == "siglip" else None,
+        dropout=config.dropout,
     ).to(dtype)
     if world_size > 1 and config.sync_batchnorm:
         model = convert_sync_batchnorm(model)
-    if world_size > 1 and any(
-        isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in model.modules()
-    ):
+    chunks = config.accumulation_chunks
+    if config.dropout and config.dropout_masks == "per-sample":
+        model = convert_sample_dropout(model)  # masks keyed by sample: see sample_keys below
+    elif config.dropout and (world_size > 1 or chunks > 1):
         accelerator.print(
-            "warning: the model has dropout, whose masks depend on the process: "
-            "training is not world-size invariant"
+            "warning: --dropout-masks per-process draws masks from each process's RNG: "
+            "training is not world-size invariant, and the chunks' recompute draws new masks"
+        )
+    if chunks > 1 and has_batch_statistics(model):
+        accelerator.print(
+            f"warning: with --accumulation-chunks {chunks} BatchNorm normalises each chunk "
+            "with that chunk's statistics: the gradient is not that of the whole batch in one "
+            "pass (a BatchNorm-free model, e.g. vit_tiny or mlp, makes it exact)"
         )
     if not per_sample_seed:
         set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
@@ -405,6 +449,7 @@ def _train(
         labels = label_ids(data.train, data.label_column)
     optimizer = _optimizer(config, model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped_model = accelerator.unwrap_model(model)
     learning_rate = _warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model and optimizer state; the step gives the data position and the lr.
@@ -479,15 +524,26 @@ def _train(
                         )
                     break
 
-                images = torch.cat([view0, view1]).to(accelerator.device, dtype)
-                # One forward over both views: BatchNorm sees the whole batch, as in SimCLR.
-                # Slices, not split(): a rank with no share of a short last batch has 0 rows.
-                outputs = model(images)
-                out0, out1 = outputs[: len(view0)], outputs[len(view0) :]
-                loss = _loss(
-                    criterion, accelerator.unwrap_model(model), out0, out1, labels, indices
+                # Each chunk holds both views of its samples: one forward over both, so
+                # BatchNorm sees them together, as in SimCLR. tensor_split always gives
+                # `chunks` pieces, empty ones on a rank with little or no share of a short
+                # last batch, so every rank runs the same collectives.
+                step_chunks = list(
+                    zip(
+                        view0.tensor_split(chunks),
+                        view1.tensor_split(chunks),
+                        indices.tensor_split(chunks),
+                        strict=True,
+                    )
                 )
-                accelerator.backward(loss)
+
+                loss = cached_backward(
+                    model,
+                    step_chunks,
+                    partial(_global_loss, criterion, unwrapped_model, labels, indices),
+                    forward=partial(_embed, model, config.seed, step, accelerator.device, dtype),
+                    backward=accelerator.backward,
+                )
                 lr = learning_rate(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -575,8 +631,9 @@ def _check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator
     if accumulation > 1:
         raise TrainerError(
             f"gradient accumulation ({accumulation} steps) is not supported: each micro-batch "
-            "would see only its own negatives, a different contrastive objective; raise "
-            "--batch-size, or add processes"
+            "would see only its own negatives, a different contrastive objective; use the "
+            f"trainer's --accumulation-chunks {accumulation} (gradient caching: the same memory "
+            "saving, every negative)"
         )
     precision = accelerator.mixed_precision
     if precision == "fp8":
@@ -653,6 +710,8 @@ def _with_defaults(config: TrainConfig) -> TrainConfig:
     digits = config.dataset is None
     if config.image_size is None:
         config = dataclasses.replace(config, image_size=8 if digits else 32)
+    if config.dropout is None:
+        config = dataclasses.replace(config, dropout=0.1 if config.model in VIT_SIZES else 0.0)
     if config.crop_min_scale is None:
         config = dataclasses.replace(config, crop_min_scale=0.5 if digits else 0.2)
     # Barlow Twins and VICReg: their papers' LARS at 0.2 (measured on the digits, 4 epochs:
@@ -739,6 +798,22 @@ def _logit_scale_init(config: TrainConfig) -> float | None:
     if config.logit_scale_init is not None:
         return config.logit_scale_init
     return 1 / 0.07 if config.loss == "infonce" else 10.0
+
+
+def _embed(model, seed: int, step: int, device, dtype, chunk) -> torch.Tensor:
+    """The projections of one chunk's two views; dropout keyed by each sample's dataset index."""
+    view0, view1, indices = chunk
+    images = torch.cat([view0, view1]).to(device, dtype)
+    keys = torch.cat([sample_keys(seed, step, indices, view) for view in (0, 1)])
+    with sample_randomness(keys.to(device)):
+        return model(images)
+
+
+def _global_loss(criterion, model: SimCLR, labels, indices, outputs) -> torch.Tensor:
+    """The loss of this rank's whole share, from every chunk's ``_embed`` output."""
+    out0 = torch.cat([output[: len(output) // 2] for output in outputs])
+    out1 = torch.cat([output[len(output) // 2 :] for output in outputs])
+    return _loss(criterion, model, out0, out1, labels, indices)
 
 
 def _loss(criterion, model: SimCLR, out0, out1, labels, indices) -> torch.Tensor:

@@ -32,6 +32,9 @@ def _other_value(field: dataclasses.Field):
 
 
 VALUES = {field.name: _other_value(field) for field in FIELDS}
+VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is valid
+# Options valid only beside another option's value.
+COMPANIONS = {"dropout": ["--model", "mlp"]}
 
 
 def _cli(name: str, value) -> list[str]:
@@ -51,7 +54,7 @@ def test_every_field_has_a_flag_and_a_help_line():
 def test_every_field_is_settable_from_the_command_line(field):
     value = VALUES[field.name]
     assert value != field.default
-    config = parse_args(TrainConfig, _cli(field.name, value))
+    config = parse_args(TrainConfig, _cli(field.name, value) + COMPANIONS.get(field.name, []))
     assert getattr(config, field.name) == value
 
 
@@ -116,6 +119,9 @@ def test_bad_config_files_name_the_problem(tmp_path, text, message):
         ({"optimizer": "adam"}, "--optimizer 'adam': choose one of sgd, adamw, lars"),
         ({"epochs": 2.5}, "--epochs: expected int, got 2.5"),
         ({"overwrite_output_dir": True, "resume_from": "latest"}, "exclude each other"),
+        ({"dropout": 0.1}, "--dropout applies to the vit and mlp encoders; resnet18 has no"),
+        ({"dropout": 1.0, "model": "vit_tiny"}, "--dropout 1: must be >= 0 and < 1"),
+        ({"accumulation_chunks": 0}, "--accumulation-chunks 0: must be >= 1"),
     ],
 )
 def test_bad_values_are_refused_in_python_as_on_the_command_line(options, message):
