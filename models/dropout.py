@@ -32,6 +32,7 @@ _ROW_KEYS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
 )
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive salts and seeds
 _MASK32 = 0xFFFFFFFF
+_CPU_BLOCK_ELEMENTS = 1 << 20  # 4 MiB of int32 scratch per pass
 
 
 @contextmanager
@@ -93,13 +94,26 @@ class SampleDropout(nn.Module):
 
     def mask(self, keys: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The bool keep-mask of a batch of ``shape`` whose rows have ``keys``."""
-        per_row = shape[1:].numel()
+        rows, per_row = shape[0], shape[1:].numel()
         positions = torch.arange(per_row, device=keys.device, dtype=torch.int64)
         position_codes = _to_int32(_hash64((positions + self.salt * _GOLDEN) & _MASK32))
-        bits = _hash32(_to_int32(keys & _MASK32)[:, None] ^ position_codes[None, :])
-        # bits is uniform over int32: P(bits < threshold) = p.
+        row_codes = _to_int32(keys & _MASK32)
+        # bits are uniform over int32: P(bits < threshold) = p.
         threshold = round(self.p * 2**32) - 2**31
-        return (bits >= threshold).view(shape)
+        keep = torch.empty(rows, per_row, dtype=torch.bool, device=keys.device)
+        # On a CPU, blocks of rows whose int32 scratch stays in cache: 4x to 20x faster
+        # than one pass over a large activation; a GPU takes the whole batch at once.
+        block = max(1, _CPU_BLOCK_ELEMENTS // per_row) if keys.device.type == "cpu" else rows
+        bits = torch.empty(min(block, rows), per_row, dtype=torch.int32, device=keys.device)
+        scratch = torch.empty_like(bits)
+        for start in range(0, rows, block):
+            count = min(block, rows - start)
+            torch.bitwise_xor(
+                row_codes[start : start + count, None], position_codes, out=bits[:count]
+            )
+            _hash32_(bits[:count], scratch[:count])
+            torch.ge(bits[:count], threshold, out=keep[start : start + count])
+        return keep.view(shape)
 
 
 def convert_sample_dropout(module: nn.Module) -> nn.Module:
@@ -141,14 +155,15 @@ def _hash64(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """The same hash on int32 tensors (half the memory traffic of int64, for the per-element
-    pass): multiplication wraps modulo 2**32, and the masks make the shifts logical."""
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * 0x7FEB352D
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * (0x846CA68B - 2**32)
-    return x ^ ((x >> 16) & 0xFFFF)
+def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
+    """The same hash, in place on int32 tensors (a quarter of the memory traffic of int64
+    with temporaries): multiplication wraps modulo 2**32, and masks make the shifts logical."""
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B - 2**32), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=scratch)
+        scratch &= (1 << (32 - shift)) - 1
+        x ^= scratch
+        if multiplier is not None:
+            x *= multiplier
 
 
 def _to_int32(x: torch.Tensor) -> torch.Tensor:

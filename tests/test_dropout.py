@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import models.dropout as dropout_module
 from models import SampleDropout, SimCLR, convert_sample_dropout, sample_keys, sample_randomness
 
 
@@ -114,3 +115,20 @@ def test_converter_swaps_every_dropout_of_the_vit_with_distinct_salts():
 def test_converter_refuses_randomness_it_cannot_key_by_sample(module, message):
     with pytest.raises(ValueError, match=message):
         convert_sample_dropout(module)
+
+
+def test_in_place_int32_hash_equals_the_int64_reference():
+    """int32 multiplication must wrap modulo 2**32 on this platform for the masks to be the
+    hash of the docstring; the int64 version computes the same hash without wrapping."""
+    values = torch.randint(0, 2**32, (100_000,), dtype=torch.int64)
+    bits = dropout_module._to_int32(values)
+    dropout_module._hash32_(bits, torch.empty_like(bits))
+    assert torch.equal(bits, dropout_module._to_int32(dropout_module._hash64(values)))
+
+
+def test_the_cpu_blocks_do_not_change_the_mask(monkeypatch):
+    layer = SampleDropout(0.3, salt=2)
+    keys = sample_keys(0, 0, torch.arange(37))
+    whole = layer.mask(keys, torch.Size((37, 5, 7)))
+    monkeypatch.setattr(dropout_module, "_CPU_BLOCK_ELEMENTS", 3 * 35)  # 3 rows per block
+    assert torch.equal(layer.mask(keys, torch.Size((37, 5, 7))), whole)
