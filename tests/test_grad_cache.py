@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import trainer
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.testing import run_on_ranks
 from losses import InfoNCELoss, NTXentLoss
@@ -223,3 +225,39 @@ def test_one_gradient_all_reduce_per_optimizer_step(ddp_results):
 def test_negative_control_without_no_sync_every_chunk_all_reduces(ddp_results):
     for result in ddp_results[False]:
         assert result["synchronised_backwards_per_step"] == [CHUNKS, CHUNKS]
+
+
+@pytest.mark.parametrize("loss", list(trainer.LOSSES))
+def test_every_loss_through_the_trainers_chunks(loss):
+    """The trainer's own chunk embedding and loss assembly, K = 4 against K = 1."""
+    config = trainer._with_defaults(
+        trainer.TrainConfig(loss=loss, model="mlp", dropout=0.1, temperature=0.3)
+    )
+    layers, hidden, width = trainer.LOSSES[loss]
+    torch.manual_seed(0)
+    model = SimCLR(
+        "mlp",
+        image_size=8,
+        projection_layers=layers,
+        projection_hidden_dim=hidden,
+        projection_dim=width,
+        logit_scale=trainer._logit_scale_init(config),
+        logit_bias=config.logit_bias_init if loss == "siglip" else None,
+        dropout=0.1,
+    ).double()
+    model = convert_sample_dropout(model)
+    criterion, labels = trainer._criterion(config), torch.arange(200) % 3
+    batch = _batch()
+    gradients = {}
+    for chunks in (1, CHUNKS):
+        model.zero_grad()
+        cached_backward(
+            model,
+            _chunks(batch, chunks),
+            partial(trainer._global_loss, criterion, model, labels, batch[2]),
+            forward=partial(trainer._embed, model, 0, 3, torch.device("cpu"), torch.float64),
+        )
+        gradients[chunks] = _gradients(model)
+    error = _max_abs(gradients[CHUNKS], gradients[1])
+    print(f"--loss {loss}: K={CHUNKS} vs one pass {error:.1e}")
+    assert error <= EXACT
