@@ -1,6 +1,6 @@
 """Run every benchmark, print a table and write JSON.
 
-    pip install -e ".[bench]" && python -m benchmarks.run            # ~10 min on 2 cores
+    pip install -e ".[bench]" && python -m benchmarks.run            # ~20 min on 2 cores
     python -m benchmarks.run --quick                                  # small sizes, ~2 min
 
 Speed and memory live here, never in the tests: CI must not fail because a
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks import loss_family
+from benchmarks import grad_cache, loss_family
 from benchmarks.gather import time_gathers
 from benchmarks.loss import peak_memory, time_losses
 from benchmarks.throughput import augmentation_cost, trainer_throughput
@@ -68,6 +68,7 @@ def run(quick: bool) -> dict:
     print("gather: done", flush=True)
     results["trainer"] = trainer_throughput(steps=8 if quick else 20, repeats=1 if quick else 3)
     results["augmentation"] = augmentation_cost(items=100 if quick else 1000)
+    results["grad_cache"] = grad_cache.run(quick)
     return results
 
 
@@ -175,6 +176,8 @@ def table(results: dict) -> str:
         f"ratio {augmentation['ratio']:.3f}; the seeding alone "
         f"{augmentation['seeding_seconds_per_item'] * 1e6:.1f} us/item",
     ]
+    if "grad_cache" in results:
+        lines += ["", *grad_cache.table_lines(results["grad_cache"])]
     return "\n".join(lines)
 
 

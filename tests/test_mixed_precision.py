@@ -241,21 +241,21 @@ def test_sync_batchnorm_keeps_float32_buffers_for_bf16_input_without_autocast():
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
     """Final models and logged losses of short bf16 launches, keyed by (model, processes)."""
-    cache: dict[tuple[str, int], tuple[str, list[float]]] = {}
+    cache: dict[tuple, tuple[str, list[float]]] = {}
 
-    def get(model: str, processes: int) -> tuple[str, list[float]]:
-        if (model, processes) not in cache:
+    def get(model: str, processes: int, *extra: str) -> tuple[str, list[float]]:
+        if (model, processes, extra) not in cache:
             output = tmp_path_factory.mktemp(f"bf16-{model}-{processes}")
             launch(
                 processes,
                 *("--model", model, "--batch-size", "8", "--max-steps", "3", "--log-every", "1"),
-                *("--knn-k", "0", "--output-dir", str(output)),
+                *("--knn-k", "0", "--output-dir", str(output), *extra),
                 launcher_flags=["--mixed_precision", "bf16"],
             )
             records = [json.loads(line) for line in (output / "metrics.jsonl").open()]
             losses = [record["loss"] for record in records if "loss" in record]
-            cache[model, processes] = (str(output / "final"), losses)
-        return cache[model, processes]
+            cache[model, processes, extra] = (str(output / "final"), losses)
+        return cache[model, processes, extra]
 
     return get
 
@@ -269,3 +269,12 @@ def test_trainer_runs_bf16_on_one_and_two_processes(bf16_runs, model):
     assert len(one_losses) == len(two_losses) == 3
     assert all(math.isfinite(loss) for loss in one_losses + two_losses)
     print(f"{model} bf16: 1 vs 2 processes max abs diff {max_abs_diff(one, two):.3e}")
+
+
+def test_trainer_runs_bf16_vit_with_dropout_and_chunks(bf16_runs):
+    """Gradient caching under autocast: bf16 embeddings, float32 loss, bf16 cached gradients."""
+    one, one_losses = bf16_runs("vit_tiny", 1)
+    chunked, chunked_losses = bf16_runs("vit_tiny", 2, "--accumulation-chunks", "2")
+    assert len(one_losses) == len(chunked_losses) == 3
+    assert all(math.isfinite(loss) for loss in one_losses + chunked_losses)
+    print(f"vit_tiny bf16: 1 process vs 2 x 2 chunks max abs diff {max_abs_diff(one, chunked):.3e}")

@@ -102,3 +102,13 @@ def test_supcon_without_labels_is_a_one_line_error(tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert "error: --loss supcon needs labels" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("loss", ["supcon", "siglip"])
+def test_two_processes_with_chunks_train_the_same_model(runs, loss):
+    """Gradient caching through the launch: SupCon's labels follow each chunk's samples,
+    SigLIP's learnable scale and bias get their gradient in the synchronised pass."""
+    one, chunked = runs(loss, 1), runs(loss, 2, "--accumulation-chunks", "3")
+    diff = max_abs_diff(str(one / "final"), str(chunked / "final"))
+    print(f"--loss {loss}: 1 process vs 2 processes x 3 chunks max abs diff {diff:.3e}")
+    assert diff <= EXACT

@@ -1,0 +1,189 @@
+"""Gradient caching: peak memory and time of one training step against the chunk count K.
+
+At a fixed global batch, each (model, K, method) runs in a fresh process: extra peak
+memory is the RSS high-water mark (``VmHWM``) minus the RSS once the model, optimizer
+and batch exist, so it counts activations and gradients; time is the median step
+after one warm-up. ``cached`` is ``cached_backward`` (every negative, one extra
+forward); ``plain`` is plain gradient accumulation (each chunk's own negatives: a
+different objective, shown for its cost only). The dropout table times the ViT's
+step with per-sample masks against torch's ``nn.Dropout``, interleaved in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from benchmarks.loss import _memory_status_bytes
+from contrastive_accelerate.grad_cache import cached_backward
+from losses import NTXentLoss
+from models import SimCLR, convert_sample_dropout, sample_keys, sample_randomness
+
+
+def _setup(model_name: str, pairs: int, image_size: int, per_sample_dropout: bool = True):
+    torch.manual_seed(0)
+    dropout = 0.1 if model_name.startswith("vit") else 0.0
+    model = SimCLR(model_name, image_size=image_size, dropout=dropout)
+    if per_sample_dropout:
+        model = convert_sample_dropout(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    views = torch.randn(2, pairs, 3, image_size, image_size)
+    return model, optimizer, (views[0], views[1], torch.arange(pairs))
+
+
+def _step(model, optimizer, batch, chunks: int, method: str, step: int) -> None:
+    criterion = NTXentLoss(0.5)
+    pieces = list(zip(*(part.tensor_split(chunks) for part in batch), strict=True))
+
+    def embed(chunk):
+        view0, view1, indices = chunk
+        keys = torch.cat([sample_keys(0, step, indices, view) for view in (0, 1)])
+        with sample_randomness(keys):
+            return model(torch.cat([view0, view1]))
+
+    def loss_of(outputs):
+        out0 = torch.cat([o[: len(o) // 2] for o in outputs])
+        out1 = torch.cat([o[len(o) // 2 :] for o in outputs])
+        return criterion(out0, out1)
+
+    if method == "cached":
+        cached_backward(model, pieces, loss_of, forward=embed)
+    else:  # plain accumulation: each chunk's loss with its own negatives
+        for piece in pieces:
+            (loss_of([embed(piece)]) / chunks).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _measure_here(model_name: str, pairs: int, image_size: int, chunks: int, method: str, steps):
+    model, optimizer, batch = _setup(model_name, pairs, image_size)
+    baseline = _memory_status_bytes("VmRSS")
+    seconds = []
+    for step in range(steps + 1):  # the first is a warm-up
+        started = time.perf_counter()
+        _step(model, optimizer, batch, chunks, method, step)
+        seconds.append(time.perf_counter() - started)
+    peak = _memory_status_bytes("VmHWM")
+    return {"extra_peak_bytes": max(0, peak - baseline), "seconds": statistics.median(seconds[1:])}
+
+
+def measure(model_name: str, pairs: int, image_size: int, chunks: int, method: str, steps: int):
+    """``_measure_here`` in a fresh process, so that its high-water mark is its own."""
+    code = (
+        "import json, benchmarks.grad_cache as b; print(json.dumps(b._measure_here("
+        f"{model_name!r}, {pairs}, {image_size}, {chunks}, {method!r}, {steps})))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def dropout_cost(pairs: int, image_size: int, repeats: int) -> dict:
+    """ViT-Tiny step time with per-sample dropout against nn.Dropout, runs alternating."""
+    setups = {
+        "per_sample": _setup("vit_tiny", pairs, image_size, per_sample_dropout=True),
+        "nn_dropout": _setup("vit_tiny", pairs, image_size, per_sample_dropout=False),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in setups}
+    for step in range(repeats + 1):
+        for name, (model, optimizer, batch) in setups.items():
+            started = time.perf_counter()
+            _step(model, optimizer, batch, 1, "cached", step)
+            if step:  # the first round warms up
+                seconds[name].append(time.perf_counter() - started)
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    return {"seconds": median, "ratio": median["per_sample"] / median["nn_dropout"]}
+
+
+def run(quick: bool) -> dict:
+    pairs, image_size = (32, 16) if quick else (256, 32)
+    chunk_counts = [1, 4] if quick else [1, 2, 4, 8]
+    steps = 1 if quick else 2
+    rows = []
+    for model_name in ("resnet18", "vit_tiny"):
+        for chunks in chunk_counts:
+            row = {"model": model_name, "chunks": chunks}
+            for method in ("cached", "plain"):
+                if method == "plain" and chunks == 1:
+                    row[method] = row["cached"]  # the same single pass
+                    continue
+                row[method] = measure(model_name, pairs, image_size, chunks, method, steps)
+            rows.append(row)
+            print(f"gradient caching {model_name} K={chunks}: done", flush=True)
+    return {
+        "pairs": pairs,
+        "image_size": image_size,
+        "rows": rows,
+        "dropout": dropout_cost(pairs // 2, image_size, repeats=2 if quick else 5),
+    }
+
+
+def table_lines(results: dict) -> list[str]:
+    mib = 2**20
+    lines = [
+        f"Gradient caching, one SGD step at global batch {results['pairs']} pairs, "
+        f"{results['image_size']} px, 1 process, fp32 (extra peak memory; median step time; "
+        "ratios against K = 1 of the same model)",
+        "",
+        "| model | K | cached: memory | cached: time | plain accumulation: memory "
+        "| plain accumulation: time |",
+        "|---|---|---|---|---|---|",
+    ]
+    first: dict = {}
+    for row in results["rows"]:
+        first.setdefault(row["model"], row["cached"])
+        base = first[row["model"]]
+
+        def cell(entry, base=base):
+            if "error" in entry:
+                return f"failed: {entry['error']}", ""
+            memory = entry["extra_peak_bytes"] / mib
+            return (
+                f"{memory:.0f} MiB ({entry['extra_peak_bytes'] / base['extra_peak_bytes']:.2f}x)",
+                f"{entry['seconds']:.2f} s ({entry['seconds'] / base['seconds']:.2f}x)",
+            )
+
+        cached, plain = cell(row["cached"]), cell(row["plain"])
+        lines.append(
+            f"| {row['model']} | {row['chunks']} | {cached[0]} | {cached[1]} "
+            f"| {plain[0]} | {plain[1]} |"
+        )
+    dropout = results["dropout"]
+    lines += [
+        "",
+        f"Per-sample dropout in ViT-Tiny's training step (dropout 0.1, {results['pairs'] // 2} "
+        f"pairs, {results['image_size']} px, median of interleaved runs): "
+        f"{dropout['seconds']['per_sample']:.3f} s against nn.Dropout's "
+        f"{dropout['seconds']['nn_dropout']:.3f} s, ratio {dropout['ratio']:.3f}",
+    ]
+    return lines
+
+
+def main() -> None:
+    """This table alone, merged into an existing results file (the whole run: benchmarks.run)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument("--output", default="benchmarks/results.json")
+    args = parser.parse_args()
+    results = run(args.quick)
+    try:
+        with open(args.output) as file:
+            everything = json.load(file)
+    except (OSError, ValueError):
+        everything = {}
+    everything["grad_cache"] = results
+    with open(args.output, "w") as file:
+        json.dump(everything, file, indent=2)
+    print("\n".join(table_lines(results)))
+
+
+if __name__ == "__main__":
+    main()
