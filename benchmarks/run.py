@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks import grad_cache, loss_family
+from benchmarks import grad_cache, loss_family, sync_batchnorm
 from benchmarks.gather import time_gathers
 from benchmarks.loss import peak_memory, time_losses
 from benchmarks.throughput import augmentation_cost, trainer_throughput
@@ -69,6 +69,7 @@ def run(quick: bool) -> dict:
     results["trainer"] = trainer_throughput(steps=8 if quick else 20, repeats=1 if quick else 3)
     results["augmentation"] = augmentation_cost(items=100 if quick else 1000)
     results["grad_cache"] = grad_cache.run(quick)
+    results["sync_batchnorm"] = sync_batchnorm.run(quick)
     return results
 
 
@@ -178,6 +179,8 @@ def table(results: dict) -> str:
     ]
     if "grad_cache" in results:
         lines += ["", *grad_cache.table_lines(results["grad_cache"])]
+    if "sync_batchnorm" in results:
+        lines += ["", *sync_batchnorm.table_lines(results["sync_batchnorm"])]
     return "\n".join(lines)
 
 
