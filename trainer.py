@@ -11,6 +11,7 @@ model on any number of processes (see README for the measured tolerances).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -156,7 +157,13 @@ class TrainConfig:
         "instead of stopping with an error naming the file",
         resume="refuse",
     )
-    num_workers: int = option(0, "DataLoader worker processes", resume="free", at_least=0)
+    num_workers: int | None = option(
+        None,
+        "DataLoader worker processes, kept across epochs; none: one per spare core of this "
+        "process's share of the machine, at most 4",
+        resume="free",
+        at_least=0,
+    )
     # Model and loss
     model: str = option("resnet18", "encoder", resume="refuse", choices=BACKBONES)
     dtype: str = option(
@@ -491,6 +498,7 @@ def _train(
         metrics["knn_top1_init"] = _evaluate(accelerator, model, knn, config, run, step)
 
     # Loop
+    loader, sampler = _train_loader(views, accelerator, config)
     progress = tqdm(
         total=total_steps,
         initial=step,
@@ -500,10 +508,11 @@ def _train(
     )
     started, started_step = time.perf_counter(), step
     last_checkpoint, saved_step, preempted = None, step, None
-    with progress, StopSignals() as signals:  # the bar ends its line before any error
+    # The bar ends its line before any error; the workers stop whatever ends the loop.
+    with progress, StopSignals() as signals, _workers_stopped_on_exit(loader):
         while step < total_steps and not preempted:
             epoch, first_batch = divmod(step, steps_per_epoch)
-            loader = _train_loader(views, accelerator, config, epoch, first_batch)
+            sampler.set_epoch(epoch, first_batch)
             for view0, view1, indices, unreadable in loader:
                 # One exchange per step, before any collective of the step: every rank
                 # learns whether any rank was signalled or drew an unreadable image.
@@ -725,9 +734,11 @@ def _with_defaults(config: TrainConfig) -> TrainConfig:
 
 
 def _train_loader(
-    views: TwoViews, accelerator: Accelerator, config: TrainConfig, epoch: int, first_batch: int
-) -> DataLoader:
-    """This rank's share of each global batch of ``epoch``, from batch ``first_batch`` on."""
+    views: TwoViews, accelerator: Accelerator, config: TrainConfig
+) -> tuple[DataLoader, GlobalBatchSampler]:
+    """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
+    the first batch. One loader for the whole run, so its workers persist across epochs
+    (safe: each item's augmentation depends on its (epoch, index), not on the worker)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     if config.data_sharding == "accelerate":
         # Accelerate shards whole global batches and, with even_batches, pads a short
@@ -736,19 +747,25 @@ def _train_loader(
     sampler = GlobalBatchSampler(
         len(views),
         config.batch_size,
-        epoch,
+        0,
         config.seed,
         rank,
         world_size,
         drop_last=config.drop_last,
-        start_batch=first_batch,
     )
+    workers = config.num_workers
+    if workers is None:  # the cores this process may use beyond its own, up to 4
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        workers = min(4, max(0, (cores or 1) // local_processes - 1))
     loader = DataLoader(
         views,
         batch_sampler=sampler,
         collate_fn=views.collate,
-        num_workers=config.num_workers,
-        worker_init_fn=ignore_stop_signals if config.num_workers else None,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=accelerator.device.type == "cuda",
+        worker_init_fn=ignore_stop_signals if workers else None,
     )
     if config.data_sharding == "accelerate":
         loader = prepare_data_loader(
@@ -758,7 +775,21 @@ def _train_loader(
             split_batches=True,
             even_batches=True,
         )
-    return loader
+    return loader, sampler
+
+
+@contextlib.contextmanager
+def _workers_stopped_on_exit(loader: DataLoader):
+    """Stop the loader's persistent workers when the loop ends, by an error too. They
+    ignore SIGTERM (preemption is the main process's to handle), so the SIGTERM with
+    which multiprocessing ends daemonic children at exit would leave the interpreter
+    waiting for them forever, while an error's traceback keeps the loader alive."""
+    try:
+        yield
+    finally:
+        iterator = getattr(loader, "_iterator", None)  # DataLoader's persistent iterator
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 def _optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -20,7 +20,7 @@ import torch
 from benchmarks import grad_cache, loss_family, sync_batchnorm
 from benchmarks.gather import time_gathers
 from benchmarks.loss import peak_memory, time_losses
-from benchmarks.throughput import augmentation_cost, trainer_throughput
+from benchmarks.throughput import augmentation_cost, loader_throughput, trainer_throughput
 
 MiB = 2**20
 
@@ -68,6 +68,7 @@ def run(quick: bool) -> dict:
     print("gather: done", flush=True)
     results["trainer"] = trainer_throughput(steps=8 if quick else 20, repeats=1 if quick else 3)
     results["augmentation"] = augmentation_cost(items=100 if quick else 1000)
+    results["loader"] = loader_throughput(epochs=2 if quick else 3, repeats=1 if quick else 2)
     results["grad_cache"] = grad_cache.run(quick)
     results["sync_batchnorm"] = sync_batchnorm.run(quick)
     return results
@@ -177,6 +178,17 @@ def table(results: dict) -> str:
         f"ratio {augmentation['ratio']:.3f}; the seeding alone "
         f"{augmentation['seeding_seconds_per_item'] * 1e6:.1f} us/item",
     ]
+    if "loader" in results:
+        loader = results["loader"]
+        rates = loader["pairs_per_s"]
+        lines += [
+            "",
+            f"Training loader, digits at {loader['image_size']} px, global batch "
+            f"{loader['batch_size']}, {loader['epochs']} epochs, 1 process: no workers "
+            f"{rates['no_workers']:.0f} pairs/s, 2 workers restarted every epoch "
+            f"{rates['2_workers']:.0f} pairs/s, 2 persistent workers "
+            f"{rates['2_persistent']:.0f} pairs/s",
+        ]
     if "grad_cache" in results:
         lines += ["", *grad_cache.table_lines(results["grad_cache"])]
     if "sync_batchnorm" in results:

@@ -17,7 +17,12 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from contrastive_accelerate.data import TwoViews, derive_seed, load_image_dataset
+from contrastive_accelerate.data import (
+    GlobalBatchSampler,
+    TwoViews,
+    derive_seed,
+    load_image_dataset,
+)
 from losses import NTXentLoss
 from models import SimCLR
 from trainer import TrainConfig, train
@@ -128,4 +133,46 @@ def augmentation_cost(items: int = 1000, image_size: int = 32, repeats: int = 5)
         "image_size": image_size,
         "ratio": medians["per_sample_seed"] / medians["global_rng"],
         "seeding_seconds_per_item": seeding,
+    }
+
+
+def loader_throughput(
+    epochs: int = 3, batch_size: int = 128, image_size: int = 32, repeats: int = 2
+) -> dict:
+    """Pairs per second that the training loader yields (digits, SimCLR augmentations):
+    no workers, 2 workers started afresh every epoch (the trainer before), and 2
+    persistent workers serving every epoch through ``GlobalBatchSampler.set_epoch``."""
+    data = load_image_dataset(None)
+    views = TwoViews(data.train, data.image_column, image_size, 0)
+    variants = {"no_workers": (0, False), "2_workers": (2, False), "2_persistent": (2, True)}
+    pairs_per_s: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, (workers, persistent) in variants.items():
+            sampler = GlobalBatchSampler(len(views), batch_size, 0, 0)
+            loader = DataLoader(
+                views,
+                batch_sampler=sampler,
+                collate_fn=views.collate,
+                num_workers=workers,
+                persistent_workers=persistent,
+            )
+            started, pairs = time.perf_counter(), 0
+            for epoch in range(epochs):
+                sampler.set_epoch(epoch)
+                epoch_loader = (
+                    loader
+                    if persistent or not workers
+                    else DataLoader(
+                        views, batch_sampler=sampler, collate_fn=views.collate, num_workers=workers
+                    )
+                )
+                for view0, _, _, _ in epoch_loader:
+                    pairs += len(view0)
+            pairs_per_s[name].append(pairs / (time.perf_counter() - started))
+            del loader
+    return {
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "pairs_per_s": {name: statistics.median(values) for name, values in pairs_per_s.items()},
     }

@@ -410,6 +410,11 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
         self.rank, self.world_size, self.start_batch = rank, world_size, start_batch
         self.batch_size = global_batch_size
 
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Continue with ``epoch`` from its batch ``start_batch``: one DataLoader, and its
+        persistent workers, serve every epoch (items carry their epoch)."""
+        self.epoch, self.start_batch = epoch, start_batch
+
     def global_batches(self) -> list[torch.Tensor]:
         if self.shuffle:
             generator = torch.Generator().manual_seed(
