@@ -43,7 +43,6 @@ from contrastive_accelerate.checkpoint import (
 )
 from contrastive_accelerate.config import ConfigError, option, parse_args, resume_rules, validate
 from contrastive_accelerate.data import (
-    DataError,
     GlobalBatchSampler,
     TwoViews,
     batches_per_epoch,
@@ -477,20 +476,16 @@ def _train(
         run.log({"start_step": step, **run_state})
     if own_accelerator:
         accelerator.init_trackers("simclr", config=_flat_for_trackers(config))
-    # Every rank agrees on when to evaluate (the main process evaluates, the others
-    # wait at a barrier), so only the main process prepares the images.
+    # Every rank evaluates its share of the kNN bank and queries (contrastive_accelerate.knn).
     knn = None
     if data.evaluation is not None:
-        knn = on_main_process(
-            knn_data,
+        knn = knn_data(
             data.train,
             data.evaluation,
             data.image_column,
             data.label_column,
             config.image_size,
             config.skip_bad_images,
-            errors=(DataError,),
-            share=False,
         )
     evaluate = data.evaluation is not None
     metrics: dict[str, float] = {}
@@ -932,15 +927,13 @@ def _resume(accelerator, model, optimizer, path, config: TrainConfig, train_samp
 
 
 def _evaluate(accelerator, model, knn: KnnData | None, config, run, step: int) -> float:
-    accuracy = float("nan")
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    accuracy = knn_top1(unwrapped, knn, k=config.knn_k)
+    unwrapped.train()
+    accelerator.log({"knn_top1": accuracy}, step=step)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.eval()
-        accuracy = knn_top1(unwrapped, knn, k=config.knn_k)
-        unwrapped.train()
-        accelerator.log({"knn_top1": accuracy}, step=step)
         run.log({"step": step, "knn_top1": accuracy})
-    accelerator.wait_for_everyone()
     return accuracy
 
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks import grad_cache, loss_family, sync_batchnorm
+from benchmarks import grad_cache, knn, loss_family, sync_batchnorm
 from benchmarks.gather import time_gathers
 from benchmarks.loss import peak_memory, time_losses
 from benchmarks.throughput import augmentation_cost, loader_throughput, trainer_throughput
@@ -71,6 +71,7 @@ def run(quick: bool) -> dict:
     results["loader"] = loader_throughput(epochs=2 if quick else 3, repeats=1 if quick else 2)
     results["grad_cache"] = grad_cache.run(quick)
     results["sync_batchnorm"] = sync_batchnorm.run(quick)
+    results["knn"] = knn.run(quick)
     return results
 
 
@@ -193,6 +194,8 @@ def table(results: dict) -> str:
         lines += ["", *grad_cache.table_lines(results["grad_cache"])]
     if "sync_batchnorm" in results:
         lines += ["", *sync_batchnorm.table_lines(results["sync_batchnorm"])]
+    if "knn" in results:
+        lines += ["", *knn.table_lines(results["knn"])]
     return "\n".join(lines)
 
 

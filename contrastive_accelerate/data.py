@@ -449,13 +449,19 @@ def batches_per_epoch(dataset_size: int, global_batch_size: int, drop_last: bool
 
 
 def evaluation_images(
-    dataset, image_column: str, image_size: int, skip_unreadable: bool = False
-) -> tuple[torch.Tensor, list[int]]:
-    """The images of a split, resized and normalised, as one tensor (for kNN evaluation),
-    and the dataset indices they came from. An unreadable image raises ``UnreadableImage``,
-    or is left out with a warning when ``skip_unreadable``."""
+    dataset,
+    image_column: str,
+    image_size: int,
+    skip_unreadable: bool = False,
+    indices: list[int] | None = None,
+) -> tuple[torch.Tensor | None, list[int]]:
+    """The images of ``dataset`` (or of its rows ``indices``), resized and normalised, as
+    one tensor, and the dataset indices they came from. An unreadable image raises
+    ``UnreadableImage`` naming its dataset index, or is left out with a warning when
+    ``skip_unreadable``. ``(None, [])`` when none is readable."""
+    indices = list(range(len(dataset))) if indices is None else indices
     resize, images, kept = _resize(image_size), [], []
-    for index, row in enumerate(dataset):
+    for index, row in zip(indices, dataset.select(indices), strict=True):
         try:
             images.append(NORMALIZE(resize(read_image(row[image_column], index))))
             kept.append(index)
@@ -464,5 +470,5 @@ def evaluation_images(
                 raise
             warnings.warn(f"skipping {unreadable} (--skip-bad-images)", stacklevel=2)
     if not images:
-        raise DataError("no readable evaluation image")
+        return None, []
     return torch.stack(images), kept

@@ -1,15 +1,25 @@
 """kNN evaluation: top-1 accuracy of a weighted k-nearest-neighbour classifier on encoder
-features (Wu et al., 2018), a standard probe of representation quality during training."""
+features (Wu et al., 2018), a standard probe of representation quality during training.
+
+Sharded and streamed: every rank decodes and embeds its contiguous share of the bank
+and of the queries, a batch at a time; the bank's features are gathered to every rank,
+each rank classifies its own queries, and one all-reduce sums the correct answers. Peak
+memory grows with the number of features (bank and queries x feature width), never
+with images x pixels, and no rank waits idle while another evaluates.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from contrastive_accelerate.data import evaluation_images
+from contrastive_accelerate.data import DataError, UnreadableImage, evaluation_images
+from contrastive_accelerate.ranks import any_rank, raise_together
+from losses import gather
 
 #: At most this many training images form the neighbour bank.
 BANK_SIZE = 10_000
@@ -17,30 +27,33 @@ BANK_SIZE = 10_000
 
 @dataclass
 class KnnData:
-    bank_images: torch.Tensor
+    """The bank (training images) and the queries, undecoded, with integer labels."""
+
+    bank: object  # a datasets.Dataset
     bank_labels: torch.Tensor
-    query_images: torch.Tensor
+    queries: object
     query_labels: torch.Tensor
+    image_column: str
+    image_size: int
+    skip_unreadable: bool
 
 
 def knn_data(
     train, evaluation, image_column: str, label_column: str, image_size: int, skip_unreadable: bool
 ) -> KnnData:
-    """Images and integer labels of the bank (training images) and of the queries."""
+    """The evaluation's datasets and their labels (only the label column is read here)."""
     bank = train.select(range(min(len(train), BANK_SIZE)))
-    bank_images, bank_kept = evaluation_images(bank, image_column, image_size, skip_unreadable)
-    query_images, query_kept = evaluation_images(
-        evaluation, image_column, image_size, skip_unreadable
-    )
-    bank_labels = [bank[label_column][i] for i in bank_kept]
-    query_labels = [evaluation[label_column][i] for i in query_kept]
+    bank_labels, query_labels = bank[label_column], evaluation[label_column]
     # Labels may be strings (a CSV's class names): number them consistently.
     classes = {label: i for i, label in enumerate(sorted(set(bank_labels) | set(query_labels)))}
     return KnnData(
-        bank_images,
+        bank,
         torch.tensor([classes[label] for label in bank_labels]),
-        query_images,
+        evaluation,
         torch.tensor([classes[label] for label in query_labels]),
+        image_column,
+        image_size,
+        skip_unreadable,
     )
 
 
@@ -54,21 +67,63 @@ def knn_top1(
 ) -> float:
     """Top-1 accuracy of a cosine-similarity kNN classifier with exp(sim / t) weighted votes.
 
-    ``model.embed(images)`` gives the features.
+    ``model.embed(images)`` gives the features. Call it on every rank (or on one
+    process): each embeds its share. An unreadable image raises on every rank, or is
+    left out with a warning when ``data.skip_unreadable``.
     """
-    parameter = next(model.parameters())
-
-    def features(images: torch.Tensor) -> torch.Tensor:
-        chunks = [
-            model.embed(chunk.to(parameter.device, parameter.dtype))
-            for chunk in images.split(batch_size)
-        ]
-        return F.normalize(torch.cat(chunks).float(), dim=1)
-
-    bank, queries = features(data.bank_images), features(data.query_images)
-    bank_labels = data.bank_labels.to(bank.device)
+    bank, bank_labels = _features(model, data, data.bank, data.bank_labels, batch_size)
+    bank, bank_labels = gather(bank), gather(bank_labels.double()).long()
+    if len(bank) == 0:
+        raise DataError("no readable training image for the kNN bank")
+    queries, query_labels = _features(model, data, data.queries, data.query_labels, batch_size)
     similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
     votes = torch.zeros(len(queries), int(bank_labels.max()) + 1, device=bank.device)
     votes.scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
-    predicted = votes.argmax(1).cpu().numpy()
-    return float(np.mean(predicted == data.query_labels.numpy()))
+    correct = (votes.argmax(1) == query_labels).sum()
+    counts = torch.stack([correct, correct.new_tensor(len(queries))]).double()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    if counts[1] == 0:  # every rank sees the same sums: every rank raises
+        raise DataError("no readable evaluation image")
+    return (counts[0] / counts[1]).item()
+
+
+def _features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: int):
+    """This rank's share of ``dataset``: normalised float32 features and their labels."""
+    parameter = next(model.parameters())
+    rank, world_size = _rank_and_size()
+    share = torch.arange(len(dataset)).tensor_split(world_size)[rank]
+    # Every rank runs the same number of batches (some empty): each exchanges its news.
+    batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
+    features, kept_labels = [], []
+    for index in range(batches):
+        indices = share[index * batch_size : (index + 1) * batch_size]
+        images, kept, problem = None, [], None
+        try:
+            images, kept = evaluation_images(
+                dataset,
+                data.image_column,
+                data.image_size,
+                data.skip_unreadable,
+                indices=indices.tolist(),
+            )
+        except UnreadableImage as unreadable:
+            problem = unreadable
+        (failed,) = any_rank(parameter.device, problem is not None)
+        if failed:
+            raise_together(problem)
+        if kept:
+            embedded = model.embed(images.to(parameter.device, parameter.dtype))
+            features.append(F.normalize(embedded.float(), dim=1))
+            kept_labels.append(labels[kept])
+    if not features:  # an empty share still gives its (0, width) part to the gather
+        empty = torch.zeros(0, 3, data.image_size, data.image_size)
+        features.append(model.embed(empty.to(parameter.device, parameter.dtype)).float())
+        kept_labels.append(labels[:0])
+    return torch.cat(features), torch.cat(kept_labels).to(parameter.device)
+
+
+def _rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

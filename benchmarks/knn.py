@@ -1,0 +1,118 @@
+"""kNN evaluation's peak memory and time against the evaluation set's size, 1 process.
+
+Synthetic 32 px images (a ``datasets.Dataset`` of PIL images), ResNet-18 features,
+a bank of the same size as the queries (capped at ``knn.BANK_SIZE``). ``whole`` is
+how the evaluation used to run: every image decoded into one tensor, then embedded;
+``streamed`` is ``knn_top1``: a batch at a time, only the features kept. Each runs in
+a fresh process; extra peak is ``VmHWM`` minus the RSS once the data and model exist.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.loss import _memory_status_bytes
+
+IMAGE_SIZE = 32
+
+
+def _setup(images: int):
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from contrastive_accelerate.knn import knn_data
+    from models import SimCLR
+
+    generator = np.random.default_rng(0)
+    pixels = generator.integers(0, 256, (images, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    dataset = datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(p) for p in pixels], "label": [i % 10 for i in range(images)]}
+    )
+    torch.manual_seed(0)
+    model = SimCLR("resnet18", image_size=IMAGE_SIZE).eval()
+    return model, knn_data(dataset, dataset, "image", "label", IMAGE_SIZE, False)
+
+
+@torch.no_grad()
+def _whole(model, knn) -> float:
+    from contrastive_accelerate.data import evaluation_images
+
+    def features(dataset):
+        images, _ = evaluation_images(dataset, knn.image_column, knn.image_size)
+        assert images is not None
+        return F.normalize(torch.cat([model.embed(c) for c in images.split(256)]), dim=1)
+
+    bank, queries = features(knn.bank), features(knn.queries)
+    similarity, neighbours = (queries @ bank.T).topk(20, dim=1)
+    votes = torch.zeros(len(queries), 10)
+    votes.scatter_add_(1, knn.bank_labels[neighbours], (similarity / 0.07).exp())
+    return (votes.argmax(1) == knn.query_labels).double().mean().item()
+
+
+def _measure_here(images: int, method: str) -> dict:
+    from contrastive_accelerate.knn import knn_top1
+
+    model, knn = _setup(images)
+    baseline = _memory_status_bytes("VmRSS")
+    started = time.perf_counter()
+    accuracy = _whole(model, knn) if method == "whole" else knn_top1(model, knn)
+    seconds = time.perf_counter() - started
+    peak = _memory_status_bytes("VmHWM")
+    return {"extra_peak_bytes": max(0, peak - baseline), "seconds": seconds, "accuracy": accuracy}
+
+
+def measure(images: int, method: str) -> dict:
+    code = (
+        "import json, benchmarks.knn as b; "
+        f"print(json.dumps(b._measure_here({images}, {method!r})))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool) -> dict:
+    sizes = [500, 1000] if quick else [1000, 5000, 20000]
+    return {
+        "image_size": IMAGE_SIZE,
+        "rows": [
+            {"images": n, "whole": measure(n, "whole"), "streamed": measure(n, "streamed")}
+            for n in sizes
+        ],
+    }
+
+
+def table_lines(results: dict) -> list[str]:
+    mib = 2**20
+    lines = [
+        f"kNN evaluation, 1 process, ResNet-18 features, {results['image_size']} px synthetic "
+        "images, bank = queries (extra peak memory; time; accuracy)",
+        "",
+        "| eval images | whole (decoded into one tensor, as before) | streamed (knn_top1) |",
+        "|---|---|---|",
+    ]
+    for row in results["rows"]:
+
+        def cell(entry):
+            if "error" in entry:
+                return f"failed: {entry['error']}"
+            return (
+                f"{entry['extra_peak_bytes'] / mib:.0f} MiB; {entry['seconds']:.1f} s; "
+                f"{entry['accuracy']:.4f}"
+            )
+
+        lines.append(f"| {row['images']} | {cell(row['whole'])} | {cell(row['streamed'])} |")
+    return lines
+
+
+if __name__ == "__main__":
+    results = run(quick="--quick" in sys.argv)
+    print("\n".join(table_lines(results)))
