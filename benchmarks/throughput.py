@@ -41,8 +41,8 @@ class _IndexToItem(Dataset):
         return self.views[(0, index)]
 
 
-def hand_written_loop(config: TrainConfig) -> float:
-    accelerator = Accelerator(cpu=True)
+def hand_written_loop(config: TrainConfig, accelerator: Accelerator | None = None) -> float:
+    accelerator = accelerator or Accelerator(cpu=True)
     torch.manual_seed(config.seed)
     data = load_image_dataset(None)
     views = TwoViews(

@@ -1,0 +1,279 @@
+"""What only an accelerator can tell: one command, one GPU, a few minutes.
+
+    python -m benchmarks.gpu                         # one CUDA GPU, ~5-8 min
+    python -m benchmarks.gpu --device cpu --quick    # smoke test (CI)
+
+Writes ``benchmarks/gpu_results.json`` and prints a table for the README:
+- NT-Xent forward+backward against lightly at N = 4096, 16384 and 65536 pairs (ours
+  tiles automatically): median time and ``torch.cuda.max_memory_allocated`` beyond the
+  inputs (lightly's dense 2N x 2N logits do not fit at 65536: reported as failed).
+- trainer.py's samples/s (ResNet-18, 32 px, float32 and ``--mixed_precision bf16``)
+  against a hand-written Accelerate loop with torch's own BatchNorm, each in a fresh
+  process.
+- ``SyncBatchNormFunction`` forward+backward against ``F.batch_norm`` (one rank).
+- host-device synchronisations per training step, counted with
+  ``torch.cuda.set_sync_debug_mode("warn")`` over the trainer's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up: kernels, allocator, cuBLAS handles
+    seconds = []
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        fn()
+        _synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def loss_table(device: torch.device, sizes: list[int], repeats: int) -> list[dict]:
+    from benchmarks.loss import make_loss
+
+    rows = []
+    for pairs in sizes:
+        row: dict = {"pairs": pairs}
+        for name in ("ours", "lightly"):
+            try:
+                loss = make_loss(name)
+            except ImportError:
+                row[name] = {"error": "not installed"}
+                continue
+            generator = torch.Generator(device="cpu").manual_seed(0)
+            out0 = torch.randn(pairs, 128, generator=generator).to(device).requires_grad_()
+            out1 = torch.randn(pairs, 128, generator=generator).to(device).requires_grad_()
+
+            def step(loss=loss, out0=out0, out1=out1):
+                loss(out0, out1).backward()
+
+            try:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                seconds = _timed(step, device, repeats)
+                peak = (
+                    torch.cuda.max_memory_allocated(device) - base
+                    if device.type == "cuda"
+                    else None
+                )
+                row[name] = {"seconds": seconds, "extra_peak_bytes": peak}
+            except torch.OutOfMemoryError:
+                row[name] = {"error": "out of memory"}
+            del out0, out1
+        rows.append(row)
+        print(f"loss N={pairs}: done", flush=True)
+    return rows
+
+
+def _trainer_here(device: str, precision: str, kind: str, steps: int, batch_size: int) -> float:
+    """Samples/s of trainer.py or of the hand-written loop, in this (fresh) process."""
+    import tempfile
+
+    from accelerate import Accelerator
+
+    from benchmarks.throughput import hand_written_loop
+    from trainer import TrainConfig, train
+
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = TrainConfig(
+            lr=0.03,
+            max_steps=steps,
+            batch_size=batch_size,
+            image_size=32,
+            knn_k=0,
+            log_every=steps,
+            output_dir=output_dir,
+        )
+        if kind == "trainer":
+            return train(config, accelerator).metrics["samples_per_s"]
+        return hand_written_loop(config, accelerator)
+
+
+def trainer_table(device: str, steps: int, batch_size: int, repeats: int) -> list[dict]:
+    rows = []
+    for precision in ("no", "bf16"):
+        samples_per_s: dict[str, list[float]] = {"trainer": [], "hand_written": []}
+        for _ in range(repeats):
+            for kind in samples_per_s:
+                code = (
+                    "import json, benchmarks.gpu as b; print(json.dumps(b._trainer_here("
+                    f"{device!r}, {precision!r}, {kind!r}, {steps}, {batch_size})))"
+                )
+                result = subprocess.run(
+                    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+                )
+                samples_per_s[kind].append(json.loads(result.stdout.strip().splitlines()[-1]))
+        median = {kind: statistics.median(values) for kind, values in samples_per_s.items()}
+        rows.append(
+            {
+                "precision": precision,
+                "samples_per_s": median,
+                "ratio": median["trainer"] / median["hand_written"],
+            }
+        )
+        print(f"trainer {precision}: done", flush=True)
+    return rows
+
+
+def sync_batchnorm_cost(device: torch.device, shape: tuple, repeats: int) -> dict:
+    """``SyncBatchNormFunction`` on a one-rank group (its collectives included) against
+    ``F.batch_norm`` in training mode."""
+    import torch.distributed as dist
+
+    from contrastive_accelerate.testing import free_port
+    from models.sync_batchnorm import SyncBatchNormFunction
+
+    started_group = not dist.is_initialized()
+    if started_group:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
+    try:
+        x = torch.randn(*shape, device=device, requires_grad=True)
+        weight = torch.ones(shape[1], device=device, requires_grad=True)
+        bias = torch.zeros(shape[1], device=device, requires_grad=True)
+        grad = torch.randn(*shape, device=device)
+
+        def synced():
+            SyncBatchNormFunction.apply(x, weight, bias, 1e-5, None)[0].backward(grad)
+
+        def plain():
+            F.batch_norm(x, None, None, weight, bias, True, 0.1, 1e-5).backward(grad)
+
+        seconds = {
+            name: _timed(fn, device, repeats) for name, fn in (("synced", synced), ("plain", plain))
+        }
+    finally:
+        if started_group:
+            dist.destroy_process_group()
+    return {"shape": list(shape), "seconds": seconds, "ratio": seconds["synced"] / seconds["plain"]}
+
+
+def syncs_per_step(device: torch.device, steps: int, batch_size: int) -> float | None:
+    """Host-device synchronisations per trainer.py step (CUDA only): the warnings of
+    ``set_sync_debug_mode("warn")`` while training, minus those of a run one step shorter
+    (start-up, the final save and logging), so the figure is the steady state's."""
+    if device.type != "cuda":
+        return None
+    import tempfile
+
+    from trainer import TrainConfig, train
+
+    counts = []
+    for run_steps in (steps - 1, steps):
+        with tempfile.TemporaryDirectory() as output_dir:
+            config = TrainConfig(
+                max_steps=run_steps,
+                batch_size=batch_size,
+                image_size=32,
+                knn_k=0,
+                log_every=10**6,
+                output_dir=output_dir,
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    train(config)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return float(counts[1] - counts[0])
+
+
+def run(device_name: str, quick: bool) -> dict:
+    device = torch.device(device_name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: no CUDA device; use --device cpu --quick for a smoke test")
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "loss": loss_table(device, [256] if quick else [4096, 16384, 65536], 2 if quick else 10),
+        "trainer": trainer_table(
+            device_name, steps=3 if quick else 30, batch_size=16 if quick else 256, repeats=1
+        ),
+        "sync_batchnorm": sync_batchnorm_cost(
+            device, (8, 16, 8, 8) if quick else (256, 64, 32, 32), 2 if quick else 20
+        ),
+        "syncs_per_step": syncs_per_step(device, steps=5, batch_size=64),
+    }
+
+
+def table_lines(results: dict) -> list[str]:
+    mib = 2**20
+
+    def loss_cell(entry: dict) -> str:
+        if "error" in entry:
+            return entry["error"]
+        memory = entry["extra_peak_bytes"]
+        return f"{entry['seconds'] * 1e3:.1f} ms" + (
+            f"; {memory / mib:.0f} MiB" if memory is not None else ""
+        )
+
+    lines = [
+        f"Device: {results['device']}, torch {results['torch']}, {results['date']}",
+        "",
+        "| N pairs | NT-Xent ours | lightly |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {row['pairs']} | {loss_cell(row['ours'])} | {loss_cell(row['lightly'])} |"
+        for row in results["loss"]
+    ]
+    lines += ["", "| precision | trainer.py | hand-written loop | ratio |", "|---|---|---|---|"]
+    lines += [
+        f"| {row['precision']} | {row['samples_per_s']['trainer']:.0f} samples/s "
+        f"| {row['samples_per_s']['hand_written']:.0f} samples/s | {row['ratio']:.3f} |"
+        for row in results["trainer"]
+    ]
+    bn = results["sync_batchnorm"]
+    lines += [
+        "",
+        f"SyncBatchNormFunction {'x'.join(map(str, bn['shape']))}: "
+        f"{bn['seconds']['synced'] * 1e3:.2f} ms against F.batch_norm's "
+        f"{bn['seconds']['plain'] * 1e3:.2f} ms (ratio {bn['ratio']:.2f}); host-device "
+        f"synchronisations per training step: {results['syncs_per_step']}",
+    ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument("--output", default="benchmarks/gpu_results.json")
+    args = parser.parse_args()
+    results = run(args.device, args.quick)
+    with open(args.output, "w") as file:
+        json.dump(results, file, indent=2)
+    print("\n".join(table_lines(results)))
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
