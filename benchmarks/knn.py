@@ -1,7 +1,8 @@
 """kNN evaluation's peak memory and time against the evaluation set's size, 1 process.
 
-Synthetic 32 px images (a ``datasets.Dataset`` of PIL images), ResNet-18 features,
-a bank of the same size as the queries (capped at ``knn.BANK_SIZE``). ``whole`` is
+Synthetic 32 px images (a ``datasets.Dataset`` of PIL images), the mlp encoder (fast:
+the images, not the encoder, are what grow), a bank of the same size as the queries
+(capped at ``knn.BANK_SIZE``). ``whole`` is
 how the evaluation used to run: every image decoded into one tensor, then embedded;
 ``streamed`` is ``knn_top1``: a batch at a time, only the features kept. Each runs in
 a fresh process; extra peak is ``VmHWM`` minus the RSS once the data and model exist.
@@ -36,7 +37,7 @@ def _setup(images: int):
         {"image": [Image.fromarray(p) for p in pixels], "label": [i % 10 for i in range(images)]}
     )
     torch.manual_seed(0)
-    model = SimCLR("resnet18", image_size=IMAGE_SIZE).eval()
+    model = SimCLR("mlp", image_size=IMAGE_SIZE).eval()
     return model, knn_data(dataset, dataset, "image", "label", IMAGE_SIZE, False)
 
 
@@ -93,7 +94,7 @@ def run(quick: bool) -> dict:
 def table_lines(results: dict) -> list[str]:
     mib = 2**20
     lines = [
-        f"kNN evaluation, 1 process, ResNet-18 features, {results['image_size']} px synthetic "
+        f"kNN evaluation, 1 process, mlp encoder, {results['image_size']} px synthetic "
         "images, bank = queries (extra peak memory; time; accuracy)",
         "",
         "| eval images | whole (decoded into one tensor, as before) | streamed (knn_top1) |",

@@ -4,8 +4,9 @@ features (Wu et al., 2018), a standard probe of representation quality during tr
 Sharded and streamed: every rank decodes and embeds its contiguous share of the bank
 and of the queries, a batch at a time; the bank's features are gathered to every rank,
 each rank classifies its own queries, and one all-reduce sums the correct answers. Peak
-memory grows with the number of features (bank and queries x feature width), never
-with images x pixels, and no rank waits idle while another evaluates.
+memory grows with the number of features (bank and queries x feature width) and one
+batch of similarities, never with images x pixels or queries x bank, and no rank waits
+idle while another evaluates.
 """
 
 from __future__ import annotations
@@ -76,11 +77,17 @@ def knn_top1(
     if len(bank) == 0:
         raise DataError("no readable training image for the kNN bank")
     queries, query_labels = _features(model, data, data.queries, data.query_labels, batch_size)
-    similarity, neighbours = (queries @ bank.T).topk(min(k, len(bank)), dim=1)
-    votes = torch.zeros(len(queries), int(bank_labels.max()) + 1, device=bank.device)
-    votes.scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
-    correct = (votes.argmax(1) == query_labels).sum()
-    counts = torch.stack([correct, correct.new_tensor(len(queries))]).double()
+    correct = torch.zeros((), dtype=torch.float64, device=bank.device)
+    classes = int(bank_labels.max()) + 1
+    # A batch of queries at a time: the similarities never exceed batch x bank.
+    for batch, labels in zip(
+        queries.split(batch_size), query_labels.split(batch_size), strict=True
+    ):
+        similarity, neighbours = (batch @ bank.T).topk(min(k, len(bank)), dim=1)
+        votes = torch.zeros(len(batch), classes, device=bank.device)
+        votes.scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
+        correct += (votes.argmax(1) == labels).sum()
+    counts = torch.stack([correct, correct.new_tensor(len(queries))])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts)
     if counts[1] == 0:  # every rank sees the same sums: every rank raises
