@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from contrastive_accelerate.data import DataError, UnreadableImage, evaluation_images
-from contrastive_accelerate.ranks import any_rank, raise_together
-from losses import gather
+from contrastive_accelerate.ranks import all_gather_rows, any_rank, raise_together
 
 #: At most this many training images form the neighbour bank.
 BANK_SIZE = 10_000
@@ -73,7 +72,7 @@ def knn_top1(
     left out with a warning when ``data.skip_unreadable``.
     """
     bank, bank_labels = _features(model, data, data.bank, data.bank_labels, batch_size)
-    bank, bank_labels = gather(bank), gather(bank_labels.double()).long()
+    bank, bank_labels = all_gather_rows(bank), all_gather_rows(bank_labels)
     if len(bank) == 0:
         raise DataError("no readable training image for the kNN bank")
     queries, query_labels = _features(model, data, data.queries, data.query_labels, batch_size)

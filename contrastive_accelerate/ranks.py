@@ -31,6 +31,27 @@ def any_rank(device: torch.device, *flags: bool) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0 in rank order, on every rank; ranks may
+    hold different numbers of rows (none included). No gradient: for evaluation (the
+    training losses use ``losses.gather``, whose backward is exact)."""
+    if not _distributed():
+        return x
+    x = x.detach()
+    world_size = dist.get_world_size()
+    sizes = torch.zeros(world_size, dtype=torch.int64, device=x.device)
+    dist.all_gather_into_tensor(sizes, torch.tensor([len(x)], device=x.device))
+    sizes = sizes.tolist()
+    if max(sizes) == 0:
+        return x
+    padded = x.new_zeros(max(sizes), *x.shape[1:])
+    padded[: len(x)] = x
+    table = x.new_empty(world_size * max(sizes), *x.shape[1:])
+    dist.all_gather_into_tensor(table, padded)
+    parts = table.split(max(sizes))
+    return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+
+
 def raise_together(error: Exception | None) -> None:
     """Raise on every rank if ``error`` is set on any; the lowest such rank's message wins.
 

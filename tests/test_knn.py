@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from contrastive_accelerate.data import evaluation_images, load_image_dataset
 from contrastive_accelerate.knn import _features, knn_data, knn_top1
+from contrastive_accelerate.ranks import all_gather_rows
 from contrastive_accelerate.testing import run_on_ranks
-from losses import gather
 from models import SimCLR
 
 FLOAT32 = 1e-5  # features of the same images in different batch compositions
@@ -51,11 +51,11 @@ def knn_worker(rank: int, world_size: int) -> dict:
     accuracy = knn_top1(model, knn, batch_size=64)
     bank, _ = _features(model, knn, knn.bank, knn.bank_labels, 64)
     # The negative control: each rank's queries against its own share of the bank only.
-    knn_module.gather = lambda features: features
+    knn_module.all_gather_rows = lambda features: features
     local_bank_accuracy = knn_top1(model, knn, batch_size=64)
     return {
         "accuracy": accuracy,
-        "bank": gather(bank).tolist(),
+        "bank": all_gather_rows(bank).tolist(),
         "local_rows": len(bank),
         "local_bank_accuracy": local_bank_accuracy,
     }
