@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.fresh_process import in_fresh_process
 
 
 def _synchronize(device: torch.device) -> None:
@@ -116,14 +116,13 @@ def trainer_table(device: str, steps: int, batch_size: int, repeats: int) -> lis
         samples_per_s: dict[str, list[float]] = {"trainer": [], "hand_written": []}
         for _ in range(repeats):
             for kind in samples_per_s:
-                code = (
-                    "import json, benchmarks.gpu as b; print(json.dumps(b._trainer_here("
-                    f"{device!r}, {precision!r}, {kind!r}, {steps}, {batch_size})))"
+                # A fresh process each: AcceleratorState is one per process.
+                value = in_fresh_process(
+                    "benchmarks.gpu", "_trainer_here", device, precision, kind, steps, batch_size
                 )
-                result = subprocess.run(
-                    [sys.executable, "-c", code], capture_output=True, text=True, check=True
-                )
-                samples_per_s[kind].append(json.loads(result.stdout.strip().splitlines()[-1]))
+                if isinstance(value, dict):
+                    raise RuntimeError(f"{kind} ({precision}): {value['error']}")
+                samples_per_s[kind].append(value)
         median = {kind: statistics.median(values) for kind, values in samples_per_s.items()}
         rows.append(
             {

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import time
+from functools import partial
 
 import torch
 
-from benchmarks.loss import _memory_status_bytes
+import trainer
+from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
 from contrastive_accelerate.grad_cache import cached_backward
 from losses import NTXentLoss
-from models import SimCLR, convert_sample_dropout, sample_keys, sample_randomness
+from models import SimCLR, convert_sample_dropout
+
+CRITERION = NTXentLoss(0.5)
 
 
 def _setup(model_name: str, pairs: int, image_size: int, per_sample_dropout: bool = True):
@@ -37,24 +39,15 @@ def _setup(model_name: str, pairs: int, image_size: int, per_sample_dropout: boo
 
 
 def _step(model, optimizer, batch, chunks: int, method: str, step: int) -> None:
-    criterion = NTXentLoss(0.5)
+    """One step through the trainer's own chunk embedding and loss assembly."""
     pieces = list(zip(*(part.tensor_split(chunks) for part in batch), strict=True))
-
-    def embed(chunk):
-        view0, view1, indices = chunk
-        keys = torch.cat([sample_keys(0, step, indices, view) for view in (0, 1)])
-        with sample_randomness(keys):
-            return model(torch.cat([view0, view1]))
-
-    def loss_of(outputs):
-        out0 = torch.cat([o[: len(o) // 2] for o in outputs])
-        out1 = torch.cat([o[len(o) // 2 :] for o in outputs])
-        return criterion(out0, out1)
-
+    embed = partial(trainer._embed, model, 0, step, torch.device("cpu"), torch.float32)
     if method == "cached":
+        loss_of = partial(trainer._global_loss, CRITERION, model, None, batch[2])
         cached_backward(model, pieces, loss_of, forward=embed)
     else:  # plain accumulation: each chunk's loss with its own negatives
         for piece in pieces:
+            loss_of = partial(trainer._global_loss, CRITERION, model, None, piece[2])
             (loss_of([embed(piece)]) / chunks).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -62,26 +55,28 @@ def _step(model, optimizer, batch, chunks: int, method: str, step: int) -> None:
 
 def _measure_here(model_name: str, pairs: int, image_size: int, chunks: int, method: str, steps):
     model, optimizer, batch = _setup(model_name, pairs, image_size)
-    baseline = _memory_status_bytes("VmRSS")
+    baseline = memory_status_bytes("VmRSS")
     seconds = []
     for step in range(steps + 1):  # the first is a warm-up
         started = time.perf_counter()
         _step(model, optimizer, batch, chunks, method, step)
         seconds.append(time.perf_counter() - started)
-    peak = _memory_status_bytes("VmHWM")
+    peak = memory_status_bytes("VmHWM")
     return {"extra_peak_bytes": max(0, peak - baseline), "seconds": statistics.median(seconds[1:])}
 
 
 def measure(model_name: str, pairs: int, image_size: int, chunks: int, method: str, steps: int):
     """``_measure_here`` in a fresh process, so that its high-water mark is its own."""
-    code = (
-        "import json, benchmarks.grad_cache as b; print(json.dumps(b._measure_here("
-        f"{model_name!r}, {pairs}, {image_size}, {chunks}, {method!r}, {steps})))"
+    return in_fresh_process(
+        "benchmarks.grad_cache",
+        "_measure_here",
+        model_name,
+        pairs,
+        image_size,
+        chunks,
+        method,
+        steps,
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if result.returncode != 0:
-        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def dropout_cost(pairs: int, image_size: int, repeats: int) -> dict:

@@ -10,15 +10,13 @@ a fresh process; extra peak is ``VmHWM`` minus the RSS once the data and model e
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.loss import _memory_status_bytes
+from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
 
 IMAGE_SIZE = 32
 
@@ -61,23 +59,16 @@ def _measure_here(images: int, method: str) -> dict:
     from contrastive_accelerate.knn import knn_top1
 
     model, knn = _setup(images)
-    baseline = _memory_status_bytes("VmRSS")
+    baseline = memory_status_bytes("VmRSS")
     started = time.perf_counter()
     accuracy = _whole(model, knn) if method == "whole" else knn_top1(model, knn)
     seconds = time.perf_counter() - started
-    peak = _memory_status_bytes("VmHWM")
+    peak = memory_status_bytes("VmHWM")
     return {"extra_peak_bytes": max(0, peak - baseline), "seconds": seconds, "accuracy": accuracy}
 
 
 def measure(images: int, method: str) -> dict:
-    code = (
-        "import json, benchmarks.knn as b; "
-        f"print(json.dumps(b._measure_here({images}, {method!r})))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if result.returncode != 0:
-        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return in_fresh_process("benchmarks.knn", "_measure_here", images, method)
 
 
 def run(quick: bool) -> dict:

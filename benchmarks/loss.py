@@ -9,14 +9,12 @@ allocates (logits, softmax, gradients), not the inputs or the interpreter.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
+from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
 from losses import NTXentLoss
 
 TEMPERATURE = 0.5
@@ -62,22 +60,14 @@ def time_losses(names: list[str], pairs: int, dim: int = 128, repeats: int = 5) 
     }
 
 
-def _memory_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as file:
-        for line in file:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _measure_here(name: str, pairs: int, dim: int, tile_rows: int | None) -> dict:
     loss_fn = make_loss(name, tile_rows)
     out0, out1 = _inputs(pairs, dim)
-    baseline = _memory_status_bytes("VmRSS")
+    baseline = memory_status_bytes("VmRSS")
     started = time.perf_counter()
     value = _forward_backward(loss_fn, out0, out1)
     seconds = time.perf_counter() - started
-    peak = _memory_status_bytes("VmHWM")
+    peak = memory_status_bytes("VmHWM")
     return {"extra_peak_bytes": max(0, peak - baseline), "seconds": seconds, "loss": value}
 
 
@@ -85,13 +75,6 @@ def peak_memory(
     name: str, pairs: int, dim: int = 128, tile_rows: int | None = None, timeout: int = 900
 ) -> dict:
     """Extra peak memory of one forward+backward, measured in a fresh process."""
-    code = (
-        f"import json, benchmarks.loss as b; "
-        f"print(json.dumps(b._measure_here({name!r}, {pairs}, {dim}, {tile_rows!r})))"
+    return in_fresh_process(
+        "benchmarks.loss", "_measure_here", name, pairs, dim, tile_rows, timeout=timeout
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode != 0:
-        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(result.stdout.strip().splitlines()[-1])

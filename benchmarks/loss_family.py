@@ -9,16 +9,13 @@ RSS once the inputs exist). Barlow Twins and VICReg use their papers' embedding 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
-from benchmarks.loss import _memory_status_bytes
+from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
 
 WIDTH = {"barlowtwins": 2048, "vicreg": 2048}
 
@@ -99,22 +96,15 @@ def time_against_peer(name: str, pairs: int, repeats: int = 5) -> dict:
 def _measure_here(name: str, implementation: str, pairs: int) -> dict:
     loss_fn, extra = make(name, implementation)
     out0, out1 = _inputs(name, pairs)
-    baseline = _memory_status_bytes("VmRSS")
+    baseline = memory_status_bytes("VmRSS")
     _forward_backward(loss_fn, extra, out0, out1)
-    return {"extra_peak_bytes": max(0, _memory_status_bytes("VmHWM") - baseline)}
+    return {"extra_peak_bytes": max(0, memory_status_bytes("VmHWM") - baseline)}
 
 
 def peak_memory(name: str, implementation: str, pairs: int, timeout: int = 900) -> dict:
-    code = (
-        "import json, benchmarks.loss_family as b; "
-        f"print(json.dumps(b._measure_here({name!r}, {implementation!r}, {pairs})))"
+    return in_fresh_process(
+        "benchmarks.loss_family", "_measure_here", name, implementation, pairs, timeout=timeout
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode != 0:
-        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def run(pairs: int, repeats: int) -> list[dict]:
