@@ -19,7 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from contrastive_accelerate.data import DataError, UnreadableImage, evaluation_images
-from contrastive_accelerate.ranks import all_gather_rows, any_rank, raise_together
+from contrastive_accelerate.ranks import (
+    all_gather_rows,
+    any_rank,
+    raise_together,
+    rank_and_world_size,
+)
 
 #: At most this many training images form the neighbour bank.
 BANK_SIZE = 10_000
@@ -87,7 +92,7 @@ def knn_top1(
         votes.scatter_add_(1, bank_labels[neighbours], (similarity / temperature).exp())
         correct += (votes.argmax(1) == labels).sum()
     counts = torch.stack([correct, correct.new_tensor(len(queries))])
-    if dist.is_available() and dist.is_initialized():
+    if rank_and_world_size()[1] > 1:
         dist.all_reduce(counts)
     if counts[1] == 0:  # every rank sees the same sums: every rank raises
         raise DataError("no readable evaluation image")
@@ -97,7 +102,7 @@ def knn_top1(
 def _features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: int):
     """This rank's share of ``dataset``: normalised float32 features and their labels."""
     parameter = next(model.parameters())
-    rank, world_size = _rank_and_size()
+    rank, world_size = rank_and_world_size()
     share = torch.arange(len(dataset)).tensor_split(world_size)[rank]
     # Every rank runs the same number of batches (some empty): each exchanges its news.
     batches = math.ceil(math.ceil(len(dataset) / world_size) / batch_size)
@@ -127,9 +132,3 @@ def _features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: i
         features.append(model.embed(empty.to(parameter.device, parameter.dtype)).float())
         kept_labels.append(labels[:0])
     return torch.cat(features), torch.cat(kept_labels).to(parameter.device)
-
-
-def _rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

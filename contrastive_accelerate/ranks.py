@@ -22,6 +22,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the number of ranks; ``(0, 1)`` without a process group."""
+    if not _distributed():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
 def any_rank(device: torch.device, *flags: bool) -> list[bool]:
     """For each flag, whether it is set on any rank (one small all-reduce)."""
     if not _distributed():

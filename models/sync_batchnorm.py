@@ -62,10 +62,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             else:
                 local_mean = local_m2 = x.new_zeros(channels, dtype=torch.float64)
             local = torch.cat([local_mean.new_tensor([local_count]), local_mean, local_m2])
-            world_size = dist.get_world_size(group)
-            table = local.new_empty(world_size * local.numel())
-            all_gather_single(table, local, group=group)
-            table = table.view(world_size, -1)
+            table = _all_gather_stack(local, group)
             counts, means, m2s = table[:, :1], table[:, 1 : 1 + channels], table[:, 1 + channels :]
             count = counts.sum()
             if count <= 1:
@@ -115,10 +112,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             # ring all-reduce takes two (gloo: ~0.5 ms less per layer), and the same
             # summation order on every rank.
             local = torch.cat([local_sum_dy, local_sum_dy_xhat])
-            world_size = dist.get_world_size(ctx.group)
-            table = local.new_empty(world_size * local.numel())
-            all_gather_single(table, local, group=ctx.group)
-            sum_dy, sum_dy_xhat = table.view(world_size, -1).sum(0).chunk(2)
+            sum_dy, sum_dy_xhat = _all_gather_stack(local, ctx.group).sum(0).chunk(2)
             invstd = torch.rsqrt(var + ctx.eps)
             scale = invstd if weight is None else invstd * weight
             # dx = scale dy + [xhat (-scale sum(dy xhat)/M) - scale sum(dy)/M]; the bracket is one
@@ -139,6 +133,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = local_sum_dy_xhat.to(ctx.weight_dtype)
             grad_bias = local_sum_dy.to(ctx.weight_dtype)
         return grad_input.to(x.dtype), grad_weight, grad_bias, None, None
+
+
+def _all_gather_stack(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D ``local`` as the rows of a (world size, n) tensor: one message round."""
+    world_size = dist.get_world_size(group)
+    table = local.new_empty(world_size * local.numel())
+    all_gather_single(table, local, group=group)
+    return table.view(world_size, -1)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
