@@ -77,14 +77,9 @@ def raise_together(error: Exception | None) -> None:
             raise kind(text)
 
 
-def on_main_process(
-    fn: Callable[..., T], *args: Any, errors: tuple[type[Exception], ...], share: bool = True
-) -> T | None:
-    """``fn(*args)`` on the main process only; its ``errors`` are raised on every rank.
-
-    With ``share``, every rank receives the result (a small picklable value); else
-    the other ranks get ``None``.
-    """
+def on_main_process(fn: Callable[..., T], *args: Any, errors: tuple[type[Exception], ...]) -> T:
+    """``fn(*args)`` on the main process only; its ``errors`` are raised on every rank, and
+    every rank receives its result (a small picklable value)."""
     result, error = None, None
     if not _distributed() or dist.get_rank() == 0:
         try:
@@ -92,7 +87,7 @@ def on_main_process(
         except errors as caught:
             error = caught
     raise_together(error)
-    if share and _distributed():
+    if _distributed():
         box = [result]
         dist.broadcast_object_list(box, src=0)
         result = box[0]
