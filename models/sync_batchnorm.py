@@ -48,6 +48,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x_c = x.to(dtype)  # a copy for half-precision input only
+            local = x.new_zeros(1 + 2 * channels, dtype=torch.float64)
             if local_count:
                 # No float64 copy of x (its allocation alone costs more than BatchNorm): a
                 # mean in x's dtype, then sums of d = x - mean_c, which are small, so their
@@ -56,38 +57,41 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 rounded_mean = x_c.mean(reduce_dims)
                 centred = x_c - _expand(rounded_mean, x)
                 sum_d = centred.sum(reduce_dims).double()
-                sum_d2 = centred.mul_(centred).sum(reduce_dims).double()
-                local_mean = rounded_mean.double() + sum_d / local_count
-                local_m2 = sum_d2 - sum_d**2 / local_count
-            else:
-                local_mean = local_m2 = x.new_zeros(channels, dtype=torch.float64)
-            local = torch.cat([local_mean.new_tensor([local_count]), local_mean, local_m2])
+                sum_d2 = centred.mul_(centred).sum(reduce_dims)
+                # [m_r, mu_r, M2_r], filled in place: a count written by a kernel, not copied
+                # from the host, so that nothing here waits for the device.
+                local[:1].fill_(local_count)
+                torch.add(rounded_mean, sum_d, alpha=1 / local_count, out=local[1 : 1 + channels])
+                torch.sub(sum_d2, sum_d**2, alpha=1 / local_count, out=local[1 + channels :])
             table = _all_gather_stack(local, group)
             counts, means, m2s = table[:, :1], table[:, 1 : 1 + channels], table[:, 1 + channels :]
             count = counts.sum()
-            if count <= 1:
+            # Only a rank holding at most one value can be part of a global batch that small;
+            # the others skip the check, which reads a device value and would wait for it.
+            if local_count <= 1 and count <= 1:
                 raise ValueError(
                     f"SyncBatchNorm: expected more than 1 value per channel in the global "
                     f"batch, got {int(count)}"
                 )
             mean = (counts * means).sum(0) / count
-            m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
+            m2 = (m2s + counts * (means - mean).square()).sum(0)
             mean_c, var_c = mean.to(dtype), (m2 / count).to(dtype)
             weight_c = None if weight is None else weight.to(dtype)
             bias_c = None if bias is None else bias.to(dtype)
             output = F.batch_norm(x_c, mean_c, var_c, weight_c, bias_c, False, 0.0, eps)
-        ctx.save_for_backward(x, weight_c, mean_c, var_c)
-        ctx.count, ctx.group, ctx.eps = count.item(), group, eps
+        ctx.save_for_backward(x, weight_c, mean_c, var_c, count)
+        ctx.group, ctx.eps = group, eps
         ctx.weight_dtype = None if weight is None else weight.dtype
         # For the running statistics: the mean and unbiased variance of the global batch,
         # in float64; the caller stores them in its buffers' dtype.
         unbiased_var = m2 / (count - 1)
         ctx.mark_non_differentiable(mean, unbiased_var)
+        ctx.set_materialize_grads(False)  # no zero gradients for the statistics
         return output.to(x.dtype), mean, unbiased_var
 
     @staticmethod
     def backward(ctx, grad_output, _grad_mean, _grad_var):
-        x, weight, mean, var = ctx.saved_tensors
+        x, weight, mean, var, count = ctx.saved_tensors
         dtype = mean.dtype
         with torch.autocast(x.device.type, enabled=False):
             x_c, grad_output = x.to(dtype), grad_output.to(dtype).contiguous()
@@ -117,12 +121,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
             scale = invstd if weight is None else invstd * weight
             # dx = scale dy + [xhat (-scale sum(dy xhat)/M) - scale sum(dy)/M]; the bracket is one
             # native normalisation of x (x - mu first: no cancellation at a large mean).
+            minus_scale_over_count = scale / -count
             grad_input = F.batch_norm(
                 x_c,
                 mean,
                 var,
-                -scale * sum_dy_xhat / ctx.count,
-                -scale * sum_dy / ctx.count,
+                minus_scale_over_count * sum_dy_xhat,
+                minus_scale_over_count * sum_dy,
                 False,
                 0.0,
                 ctx.eps,

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from contrastive_accelerate.testing import run_on_ranks
 from models import SyncBatchNorm, convert_sync_batchnorm
@@ -147,6 +148,55 @@ def test_numerically_stable_with_large_mean():
     worst = max(run_on_ranks(stability_worker, 2))
     print(f"running_var error at mean 1e4 in float32: {worst:.3e}")
     assert worst <= 1e-3  # the true variance is ~4; cancellation would give O(1) or worse
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the operators that make the host wait for a device: reading a tensor's value
+    (``.item()``, ``bool()``) and building a tensor from host data (a copy to the device)."""
+
+    WAITING = ("aten._local_scalar_dense", "aten.lift_fresh")
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.WAITING):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
+    layer = SyncBatchNorm(CHANNELS)
+    x = torch.randn(sizes[rank], *SHAPES[2], requires_grad=True)
+    with _HostReads() as step:
+        layer(x).square().sum().backward()
+    with _HostReads() as control:  # the detector sees a read when there is one
+        bool(x.sum() > 0)
+    return {"step": step.seen, "control": control.seen}
+
+
+def test_no_host_device_synchronisation():
+    """On a GPU each host read would stall the host until the device catches up, once per
+    layer and step; on CPU the same operators are visible to a dispatch mode."""
+    for record in run_on_ranks(host_reads_worker, 2, [3, 2]):
+        print(f"host reads in a SyncBatchNorm step: {record['step']}")
+        assert record["step"] == []
+        assert record["control"] == ["aten._local_scalar_dense.default"]
+
+
+def small_batch_worker(rank: int, world_size: int) -> str:
+    layer = SyncBatchNorm(CHANNELS)
+    try:
+        layer(torch.randn(1 - rank, CHANNELS))  # one value per channel in the global batch
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_global_batch_of_one_is_refused_on_every_rank():
+    messages = run_on_ranks(small_batch_worker, 2)
+    assert all("expected more than 1 value per channel" in m for m in messages), messages
 
 
 def test_plain_batchnorm_without_process_group():
