@@ -1,10 +1,13 @@
 """What synchronised BatchNorm costs: trainer.py on 2 CPU processes with and without it.
 
-ResNet-18 (20 BatchNorm layers), 8 px, global batch 128, float32: the same command
-line with ``--sync-batchnorm`` and ``--no-sync-batchnorm``, runs alternating, each
-reporting samples/s over its steps (``metrics.jsonl``); the median per variant and
-their ratio. Also the layer alone: ``SyncBatchNormFunction`` forward+backward against
-``F.batch_norm`` on 2 gloo ranks, on an activation of layer1's shape.
+ResNet-18 and its projection head (21 BatchNorm layers), 8 px, global batch 128,
+float32: the same command line with ``--sync-batchnorm`` and ``--no-sync-batchnorm``,
+runs alternating, each reporting samples/s over its steps (``metrics.jsonl``); the
+median per variant and their ratio. Also the layer alone: ``SyncBatchNormFunction``
+forward+backward against ``F.batch_norm`` on 2 gloo ranks, on an activation of layer1's
+shape; and the latency floor: two blocking exchanges per layer and step (statistics
+forward, gradient sums backward; exactness allows no fewer), each at least one bare
+all-gather, as a share of the unsynced step.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from contrastive_accelerate.testing import run_on_ranks
+from models import SimCLR
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,19 +109,104 @@ def layer_cost(shape=(64, 64, 8, 8), repeats: int = 20) -> dict:
     return {"shape": list(shape), "seconds": seconds, "ratio": seconds["synced"] / seconds["plain"]}
 
 
-def run(quick: bool) -> dict:
+def model_step_worker(rank: int, world_size: int, variant: str, steps: int) -> dict:
+    """One DDP training step of ResNet-18 (8 px, 64 pairs per rank, NT-Xent), without the
+    loader: ``unsynced``, ``synced``, or ``local``: synced with every exchange replaced by
+    a local stand-in of the same shape, which leaves SyncBatchNorm's compute alone."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from losses import NTXentLoss
+    from models import convert_sync_batchnorm
+    from models import sync_batchnorm as module
+
+    exchange_seconds: list[float] = []
+    exchange = module._all_gather_stack
+
+    def timed_exchange(local, group):
+        started = time.perf_counter()
+        table = exchange(local, group)
+        exchange_seconds.append(time.perf_counter() - started)
+        return table
+
+    def local_exchange(local, group):
+        return local.expand(world_size, -1).clone()
+
+    module._all_gather_stack = local_exchange if variant == "local" else timed_exchange
+    torch.manual_seed(0)
+    model = SimCLR(backbone="resnet18", image_size=8)
+    if variant != "unsynced":
+        model = convert_sync_batchnorm(model)
+    model = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    criterion = NTXentLoss()
+    images = torch.randn(128, 3, 8, 8)
+    seconds = []
+    for index in range(steps + 2):
+        torch.distributed.barrier()
+        exchange_seconds.clear()
+        started = time.perf_counter()
+        embeddings = model(images)
+        criterion(embeddings[:64], embeddings[64:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if index >= 2:  # warm-up
+            seconds.append(time.perf_counter() - started)
+            per_step_exchanges = list(exchange_seconds)
+    return {"seconds": statistics.median(seconds), "exchanges": per_step_exchanges}
+
+
+def model_step(steps: int = 15, repeats: int = 2) -> dict:
+    """Where the synced step's extra time goes: compute (``local``) and exchanges."""
+    seconds: dict[str, list[float]] = {"unsynced": [], "synced": [], "local": []}
+    exchange_seconds: list[float] = []
+    for _ in range(repeats):
+        for variant in seconds:
+            per_rank = run_on_ranks(model_step_worker, 2, variant, steps)
+            seconds[variant].append(max(r["seconds"] for r in per_rank))
+            exchange_seconds += per_rank[0]["exchanges"]
+    median = {variant: statistics.median(values) for variant, values in seconds.items()}
     return {
-        "trainer": trainer_overhead(steps=10 if quick else 30, repeats=1 if quick else 2),
-        # The same at 16 px: 4x the compute per step for the same 42 collectives.
+        "seconds": median,
+        "overhead": {v: median[v] / median["unsynced"] - 1 for v in ("synced", "local")},
+        "exchange_ms": {
+            "mean": statistics.mean(exchange_seconds) * 1e3,
+            "median": statistics.median(exchange_seconds) * 1e3,
+            "share_over_2ms": sum(t > 2e-3 for t in exchange_seconds) / len(exchange_seconds),
+        },
+    }
+
+
+def exchanges_per_step() -> int:
+    """Blocking SyncBatchNorm exchanges in one step of the benchmarked model."""
+    model = SimCLR(backbone="resnet18", image_size=8)  # the trainer's NT-Xent head
+    return 2 * sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def latency_floor(trainer: dict, layer: dict) -> dict:
+    """The overhead that the exchanges' bare latency alone would cost the unsynced step."""
+    unsynced_samples_per_s = statistics.median(trainer["samples_per_s"]["unsynced"])
+    unsynced_step_s = trainer["batch_size"] / unsynced_samples_per_s
+    exchanges = exchanges_per_step()
+    floor_s = exchanges * layer["seconds"]["all_gather"]
+    return {"exchanges": exchanges, "seconds": floor_s, "overhead": floor_s / unsynced_step_s}
+
+
+def run(quick: bool) -> dict:
+    results = {
+        "trainer": trainer_overhead(steps=10 if quick else 30, repeats=1 if quick else 3),
+        # The same at 16 px: 4x the compute per step for the same 42 exchanges.
         "trainer_16px": trainer_overhead(
             steps=5 if quick else 10, image_size=16, repeats=1 if quick else 2
         ),
         "layer": layer_cost(repeats=5 if quick else 20),
+        "model_step": model_step(steps=5 if quick else 15, repeats=1 if quick else 2),
     }
+    results["floor"] = latency_floor(results["trainer"], results["layer"])
+    return results
 
 
 def table_lines(results: dict) -> list[str]:
-    layer = results["layer"]
+    layer, floor, step = results["layer"], results["floor"], results["model_step"]
     lines = [
         "SyncBatchNorm on 2 CPU processes (ResNet-18, global batch 128, float32, runs "
         "alternating; samples/s of each run)",
@@ -140,6 +230,16 @@ def table_lines(results: dict) -> list[str]:
         f"{layer['seconds']['synced'] * 1e3:.2f} ms against F.batch_norm's "
         f"{layer['seconds']['plain'] * 1e3:.2f} ms (ratio {layer['ratio']:.2f}); one bare "
         f"all-gather of its statistics {layer['seconds']['all_gather'] * 1e3:.2f} ms.",
+        "",
+        f"Latency floor at {results['trainer']['image_size']} px: {floor['exchanges']} "
+        f"exchanges per step x the bare all-gather = {floor['seconds'] * 1e3:.1f} ms, "
+        f"{floor['overhead']:+.1%} of the unsynced step before any compute.",
+        "",
+        f"The step without the loader (DDP, NT-Xent): synced {step['overhead']['synced']:+.1%}, "
+        f"of which compute {step['overhead']['local']:+.1%} (exchanges replaced by local "
+        f"copies); an exchange inside the step took {step['exchange_ms']['mean']:.2f} ms on "
+        f"average (median {step['exchange_ms']['median']:.2f} ms), "
+        f"{step['exchange_ms']['share_over_2ms']:.0%} of them over 2 ms.",
     ]
 
 
