@@ -11,7 +11,6 @@ step with per-sample masks against torch's ``nn.Dropout``, interleaved in one pr
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from functools import partial
@@ -19,6 +18,7 @@ from functools import partial
 import torch
 
 import trainer
+from benchmarks import standalone
 from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
 from contrastive_accelerate.grad_cache import cached_backward
 from losses import NTXentLoss
@@ -160,25 +160,5 @@ def table_lines(results: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
-    """This table alone, merged into an existing results file (the whole run: benchmarks.run)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    parser.add_argument("--output", default="benchmarks/results.json")
-    args = parser.parse_args()
-    results = run(args.quick)
-    try:
-        with open(args.output) as file:
-            everything = json.load(file)
-    except (OSError, ValueError):
-        everything = {}
-    everything["grad_cache"] = results
-    with open(args.output, "w") as file:
-        json.dump(everything, file, indent=2)
-    print("\n".join(table_lines(results)))
-
-
 if __name__ == "__main__":
-    main()
+    standalone.main("grad_cache", __doc__.split("\n")[0], run, table_lines)

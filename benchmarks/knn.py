@@ -10,12 +10,12 @@ a fresh process; extra peak is ``VmHWM`` minus the RSS once the data and model e
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import standalone
 from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
 
 IMAGE_SIZE = 32
@@ -106,5 +106,4 @@ def table_lines(results: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    results = run(quick="--quick" in sys.argv)
-    print("\n".join(table_lines(results)))
+    standalone.main("knn", __doc__.split("\n")[0], run, table_lines)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import standalone
 from contrastive_accelerate.testing import run_on_ranks
 from models import SimCLR
 
@@ -244,5 +245,4 @@ def table_lines(results: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    results = run(quick="--quick" in sys.argv)
-    print("\n".join(table_lines(results)))
+    standalone.main("sync_batchnorm", __doc__.split("\n")[0], run, table_lines)

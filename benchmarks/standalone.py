@@ -1,0 +1,26 @@
+"""One benchmark module run alone: its table printed, its results merged into the results
+file that ``python -m benchmarks.run`` writes whole."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+
+def main(name: str, description: str, run: Callable[[bool], dict], table_lines) -> None:
+    """``python -m benchmarks.<name> [--quick] [--output FILE]``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument("--output", default="benchmarks/results.json")
+    args = parser.parse_args()
+    results = run(args.quick)
+    try:
+        with open(args.output) as file:
+            everything = json.load(file)
+    except (OSError, ValueError):  # none yet, or unreadable: start a new one
+        everything = {}
+    everything[name] = results
+    with open(args.output, "w") as file:
+        json.dump(everything, file, indent=2)
+    print("\n".join(table_lines(results)))
