@@ -239,7 +239,8 @@ def table_lines(results: dict) -> list[str]:
         f"The step without the loader (DDP, NT-Xent): synced {step['overhead']['synced']:+.1%}, "
         f"of which compute {step['overhead']['local']:+.1%} (exchanges replaced by local "
         f"copies); an exchange inside the step took {step['exchange_ms']['mean']:.2f} ms on "
-        f"average (median {step['exchange_ms']['median']:.2f} ms), "
+        "average on rank 0, waiting for the other rank included "
+        f"(median {step['exchange_ms']['median']:.2f} ms), "
         f"{step['exchange_ms']['share_over_2ms']:.0%} of them over 2 ms.",
     ]
 
