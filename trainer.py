@@ -829,9 +829,13 @@ def _logit_scale_init(config: TrainConfig) -> float | None:
 def _embed(model, seed: int, step: int, device, dtype, chunk) -> torch.Tensor:
     """The projections of one chunk's two views; dropout keyed by each sample's dataset index."""
     view0, view1, indices = chunk
-    images = torch.cat([view0, view1]).to(device, dtype)
+    # Each view goes to the device as it comes from the loader (pinned on CUDA, so the
+    # copies are asynchronous), then they are joined there: a join on the host would copy
+    # them into unpinned memory first, whose upload makes the host wait.
+    images = torch.cat([view.to(device, dtype, non_blocking=True) for view in (view0, view1)])
     keys = torch.cat([sample_keys(seed, step, indices, view) for view in (0, 1)])
-    with sample_randomness(keys.to(device)):
+    # A few hundred int64s from unpinned memory: staged by the driver, no wait either.
+    with sample_randomness(keys.to(device, non_blocking=True)):
         return model(images)
 
 
