@@ -8,7 +8,12 @@ import json
 from collections.abc import Callable
 
 
-def main(name: str, description: str, run: Callable[[bool], dict], table_lines) -> None:
+def main(
+    name: str,
+    description: str,
+    run: Callable[[bool], dict],
+    table_lines: Callable[[dict], list[str]],
+) -> None:
     """``python -m benchmarks.<name> [--quick] [--output FILE]``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")

@@ -38,6 +38,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
     Mixed precision: half-precision input (bfloat16/float16, e.g. a convolution's
     output under autocast) is normalised in float32 and returned in its own dtype,
     as ``nn.BatchNorm`` does; gradients come back in the dtype of their tensor.
+
+    No host-device synchronisation: the global count ``M`` stays on the device, and
+    only a rank holding at most one value per channel reads it back (to refuse a
+    global batch of one), so on a GPU the exchanges queue behind the kernels.
     """
 
     @staticmethod
