@@ -144,16 +144,16 @@ def model_step_worker(rank: int, world_size: int, variant: str, steps: int) -> d
     seconds = []
     for index in range(steps + 2):
         torch.distributed.barrier()
-        exchange_seconds.clear()
+        if index == 2:  # warm-up over: time this step's exchanges and the later ones
+            exchange_seconds.clear()
         started = time.perf_counter()
         embeddings = model(images)
         criterion(embeddings[:64], embeddings[64:]).backward()
         optimizer.step()
         optimizer.zero_grad()
-        if index >= 2:  # warm-up
+        if index >= 2:
             seconds.append(time.perf_counter() - started)
-            per_step_exchanges = list(exchange_seconds)
-    return {"seconds": statistics.median(seconds), "exchanges": per_step_exchanges}
+    return {"seconds": statistics.median(seconds), "exchanges": exchange_seconds}
 
 
 def model_step(steps: int = 15, repeats: int = 2) -> dict:
