@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from contrastive_accelerate.compat import BatchNormBase
+
 
 def cached_backward(
     model: nn.Module,
@@ -85,11 +87,7 @@ def cached_backward(
 def frozen_batchnorm_statistics(model: nn.Module):
     """BatchNorm layers normalise with batch statistics, as in training, but leave their
     running statistics alone: the recompute pass must not count a chunk twice."""
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
+    layers = [m for m in model.modules() if isinstance(m, BatchNormBase) and m.track_running_stats]
     for layer in layers:
         layer.track_running_stats = False
     try:
@@ -100,4 +98,4 @@ def frozen_batchnorm_statistics(model: nn.Module):
 
 
 def has_batch_statistics(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return any(isinstance(m, BatchNormBase) for m in model.modules())

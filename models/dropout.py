@@ -27,12 +27,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from contrastive_accelerate.compat import DropoutBase
+
 _ROW_KEYS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
     "sample_dropout_row_keys", default=None
 )
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive salts and seeds
 _MASK32 = 0xFFFFFFFF
-_CPU_BLOCK_ELEMENTS = 1 << 20  # 4 MiB of int32 scratch per pass
+CPU_BLOCK_ELEMENTS = 1 << 20  # 4 MiB of int32 scratch per pass
 
 
 @contextmanager
@@ -52,8 +54,8 @@ def sample_keys(seed: int, step: int, indices: torch.Tensor, view: int = 0) -> t
     independent of the process, the rank's share and the chunk the sample lands in."""
     key = torch.full_like(indices, seed & _MASK32, dtype=torch.int64)
     for value in (step, view):
-        key = _hash64(key ^ (value * _GOLDEN & _MASK32))
-    return _hash64(key ^ (indices.to(torch.int64) & _MASK32))
+        key = lowbias32(key ^ (value * _GOLDEN & _MASK32))
+    return lowbias32(key ^ (indices.to(torch.int64) & _MASK32))
 
 
 class SampleDropout(nn.Module):
@@ -96,14 +98,14 @@ class SampleDropout(nn.Module):
         """The bool keep-mask of a batch of ``shape`` whose rows have ``keys``."""
         rows, per_row = shape[0], shape[1:].numel()
         positions = torch.arange(per_row, device=keys.device, dtype=torch.int64)
-        position_codes = _to_int32(_hash64((positions + self.salt * _GOLDEN) & _MASK32))
-        row_codes = _to_int32(keys & _MASK32)
+        position_codes = as_int32(lowbias32((positions + self.salt * _GOLDEN) & _MASK32))
+        row_codes = as_int32(keys & _MASK32)
         # bits are uniform over int32: P(bits < threshold) = p.
         threshold = round(self.p * 2**32) - 2**31
         keep = torch.empty(rows, per_row, dtype=torch.bool, device=keys.device)
         # On a CPU, blocks of rows whose int32 scratch stays in cache: 4x to 20x faster
         # than one pass over a large activation; a GPU takes the whole batch at once.
-        block = max(1, _CPU_BLOCK_ELEMENTS // per_row) if keys.device.type == "cpu" else rows
+        block = max(1, CPU_BLOCK_ELEMENTS // per_row) if keys.device.type == "cpu" else rows
         bits = torch.empty(min(block, rows), per_row, dtype=torch.int32, device=keys.device)
         scratch = torch.empty_like(bits)
         for start in range(0, rows, block):
@@ -111,7 +113,7 @@ class SampleDropout(nn.Module):
             torch.bitwise_xor(
                 row_codes[start : start + count, None], position_codes, out=bits[:count]
             )
-            _hash32_(bits[:count], scratch[:count])
+            lowbias32_int32_(bits[:count], scratch[:count])
             torch.ge(bits[:count], threshold, out=keep[start : start + count])
         return keep.view(shape)
 
@@ -131,7 +133,7 @@ def convert_sample_dropout(module: nn.Module) -> nn.Module:
                 f"{name or 'the model'}: attention dropout ({child.dropout}) is drawn inside "
                 "nn.MultiheadAttention and cannot be made per-sample; set it to 0"
             )
-        if isinstance(child, nn.modules.dropout._DropoutNd) and type(child) is not nn.Dropout:
+        if isinstance(child, DropoutBase) and type(child) is not nn.Dropout:
             raise ValueError(f"{name}: {type(child).__name__} cannot be made per-sample")
 
     def convert(parent: nn.Module) -> nn.Module:
@@ -146,7 +148,7 @@ def convert_sample_dropout(module: nn.Module) -> nn.Module:
     return convert(module)
 
 
-def _hash64(x: torch.Tensor) -> torch.Tensor:
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2**32)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32  # the product fits in 64 unsigned bits; the low 32 are kept
@@ -155,7 +157,7 @@ def _hash64(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
+def lowbias32_int32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
     """The same hash, in place on int32 tensors (a quarter of the memory traffic of int64
     with temporaries): multiplication wraps modulo 2**32, and masks make the shifts logical."""
     for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B - 2**32), (16, None)):
@@ -166,6 +168,6 @@ def _hash32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
             x *= multiplier
 
 
-def _to_int32(x: torch.Tensor) -> torch.Tensor:
+def as_int32(x: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2**32) as the int32 of the same bits."""
     return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)

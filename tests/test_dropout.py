@@ -121,14 +121,14 @@ def test_in_place_int32_hash_equals_the_int64_reference():
     """int32 multiplication must wrap modulo 2**32 on this platform for the masks to be the
     hash of the docstring; the int64 version computes the same hash without wrapping."""
     values = torch.randint(0, 2**32, (100_000,), dtype=torch.int64)
-    bits = dropout_module._to_int32(values)
-    dropout_module._hash32_(bits, torch.empty_like(bits))
-    assert torch.equal(bits, dropout_module._to_int32(dropout_module._hash64(values)))
+    bits = dropout_module.as_int32(values)
+    dropout_module.lowbias32_int32_(bits, torch.empty_like(bits))
+    assert torch.equal(bits, dropout_module.as_int32(dropout_module.lowbias32(values)))
 
 
 def test_the_cpu_blocks_do_not_change_the_mask(monkeypatch):
     layer = SampleDropout(0.3, salt=2)
     keys = sample_keys(0, 0, torch.arange(37))
     whole = layer.mask(keys, torch.Size((37, 5, 7)))
-    monkeypatch.setattr(dropout_module, "_CPU_BLOCK_ELEMENTS", 3 * 35)  # 3 rows per block
+    monkeypatch.setattr(dropout_module, "CPU_BLOCK_ELEMENTS", 3 * 35)  # 3 rows per block
     assert torch.equal(layer.mask(keys, torch.Size((37, 5, 7))), whole)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from contrastive_accelerate.compat import TorchDispatchMode
 from contrastive_accelerate.testing import run_on_ranks
 from models import SyncBatchNorm, convert_sync_batchnorm
 
