@@ -1,6 +1,7 @@
 """Gather backward on 2 gloo processes: three ways to get it right.
 
-- reduce_scatter: each rank receives only its own summed rows (``losses.gather``).
+- reduce_scatter: each rank receives only its own summed rows
+  (``contrastive_accelerate.collectives.gather``).
 - all_reduce: all-reduce the whole stacked gradient, then keep this rank's rows
   (the fallback for backends without reduce-scatter).
 - torch_nn_functional: ``torch.distributed.nn.functional.all_gather``.
@@ -15,12 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from contrastive_accelerate.collectives import gather
 from contrastive_accelerate.testing import run_on_ranks
-from losses import GatherLayer
-
-
-class AllReduceGather(GatherLayer):
-    use_reduce_scatter = False
 
 
 def _torch_gather(x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +35,8 @@ def _equal_sizes(x: torch.Tensor) -> list[int]:
 
 
 VARIANTS = {
-    "reduce_scatter": lambda x: GatherLayer.apply(x, _equal_sizes(x), None),
-    "all_reduce": lambda x: AllReduceGather.apply(x, _equal_sizes(x), None),
+    "reduce_scatter": lambda x: gather(x, sizes=_equal_sizes(x)),
+    "all_reduce": lambda x: gather(x, sizes=_equal_sizes(x), backward="all_reduce"),
     "torch_nn_functional": _torch_gather,
 }
 

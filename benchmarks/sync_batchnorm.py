@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from benchmarks import standalone
+from contrastive_accelerate.compat import BatchNormBase
 from contrastive_accelerate.testing import run_on_ranks
 from models import SimCLR
 
@@ -121,7 +121,7 @@ def model_step_worker(rank: int, world_size: int, variant: str, steps: int) -> d
     from models import sync_batchnorm as module
 
     exchange_seconds: list[float] = []
-    exchange = module._all_gather_stack
+    exchange = module.gather_statistics
 
     def timed_exchange(local, group):
         started = time.perf_counter()
@@ -132,7 +132,7 @@ def model_step_worker(rank: int, world_size: int, variant: str, steps: int) -> d
     def local_exchange(local, group):
         return local.expand(world_size, -1).clone()
 
-    module._all_gather_stack = local_exchange if variant == "local" else timed_exchange
+    module.gather_statistics = local_exchange if variant == "local" else timed_exchange
     torch.manual_seed(0)
     model = SimCLR(backbone="resnet18", image_size=8)
     if variant != "unsynced":
@@ -180,7 +180,7 @@ def model_step(steps: int = 15, repeats: int = 2) -> dict:
 def exchanges_per_step() -> int:
     """Blocking SyncBatchNorm exchanges in one step of the benchmarked model."""
     model = SimCLR(backbone="resnet18", image_size=8)  # the trainer's NT-Xent head
-    return 2 * sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return 2 * sum(isinstance(m, BatchNormBase) for m in model.modules())
 
 
 def latency_floor(trainer: dict, layer: dict) -> dict:

@@ -18,13 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from contrastive_accelerate.collectives import all_gather_rows, rank_and_world_size
 from contrastive_accelerate.data import DataError, UnreadableImage, evaluation_images
-from contrastive_accelerate.ranks import (
-    all_gather_rows,
-    any_rank,
-    raise_together,
-    rank_and_world_size,
-)
+from contrastive_accelerate.ranks import any_rank, raise_together
 
 #: At most this many training images form the neighbour bank.
 BANK_SIZE = 10_000
@@ -76,11 +72,11 @@ def knn_top1(
     process): each embeds its share. An unreadable image raises on every rank, or is
     left out with a warning when ``data.skip_unreadable``.
     """
-    bank, bank_labels = _features(model, data, data.bank, data.bank_labels, batch_size)
+    bank, bank_labels = knn_features(model, data, data.bank, data.bank_labels, batch_size)
     bank, bank_labels = all_gather_rows(bank), all_gather_rows(bank_labels)
     if len(bank) == 0:
         raise DataError("no readable training image for the kNN bank")
-    queries, query_labels = _features(model, data, data.queries, data.query_labels, batch_size)
+    queries, query_labels = knn_features(model, data, data.queries, data.query_labels, batch_size)
     correct = torch.zeros((), dtype=torch.float64, device=bank.device)
     classes = int(bank_labels.max()) + 1
     # A batch of queries at a time: the similarities never exceed batch x bank.
@@ -99,8 +95,9 @@ def knn_top1(
     return (counts[0] / counts[1]).item()
 
 
-def _features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: int):
-    """This rank's share of ``dataset``: normalised float32 features and their labels."""
+def knn_features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: int):
+    """This rank's share of ``dataset``: normalised float32 features and their labels,
+    ``batch_size`` images at a time."""
     parameter = next(model.parameters())
     rank, world_size = rank_and_world_size()
     share = torch.arange(len(dataset)).tensor_split(world_size)[rank]

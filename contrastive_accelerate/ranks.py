@@ -15,48 +15,19 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from contrastive_accelerate.collectives import is_distributed
+from contrastive_accelerate.compat import default_store
+
 T = TypeVar("T")
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def rank_and_world_size() -> tuple[int, int]:
-    """This process's rank and the number of ranks; ``(0, 1)`` without a process group."""
-    if not _distributed():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
 
 
 def any_rank(device: torch.device, *flags: bool) -> list[bool]:
     """For each flag, whether it is set on any rank (one small all-reduce)."""
-    if not _distributed():
+    if not is_distributed():
         return list(flags)
     values = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(value) for value in values.tolist()]
-
-
-def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along dim 0 in rank order, on every rank; ranks may
-    hold different numbers of rows (none included). No gradient: for evaluation (the
-    training losses use ``losses.gather``, whose backward is exact)."""
-    if not _distributed():
-        return x
-    x = x.detach()
-    world_size = dist.get_world_size()
-    sizes = torch.zeros(world_size, dtype=torch.int64, device=x.device)
-    dist.all_gather_into_tensor(sizes, torch.tensor([len(x)], device=x.device))
-    sizes = sizes.tolist()
-    if max(sizes) == 0:
-        return x
-    padded = x.new_zeros(max(sizes), *x.shape[1:])
-    padded[: len(x)] = x
-    table = x.new_empty(world_size * max(sizes), *x.shape[1:])
-    dist.all_gather_into_tensor(table, padded)
-    parts = table.split(max(sizes))
-    return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
 
 
 def raise_together(error: Exception | None) -> None:
@@ -65,7 +36,7 @@ def raise_together(error: Exception | None) -> None:
     Every rank must call this at the same point. The messages travel with
     ``all_gather_object``, between this job's own processes.
     """
-    if not _distributed():
+    if not is_distributed():
         if error is not None:
             raise error
         return
@@ -81,13 +52,13 @@ def on_main_process(fn: Callable[..., T], *args: Any, errors: tuple[type[Excepti
     """``fn(*args)`` on the main process only; its ``errors`` are raised on every rank, and
     every rank receives its result (a small picklable value)."""
     result, error = None, None
-    if not _distributed() or dist.get_rank() == 0:
+    if not is_distributed() or dist.get_rank() == 0:
         try:
             result = fn(*args)
         except errors as caught:
             error = caught
     raise_together(error)
-    if _distributed():
+    if is_distributed():
         box = [result]
         dist.broadcast_object_list(box, src=0)
         result = box[0]
@@ -104,10 +75,10 @@ def settle_before_exit(timeout_s: float = 10.0) -> None:
     collective, so it works on any backend and gives up instead of hanging when a
     peer never comes (it stalled, or died).
     """
-    if not _distributed():
+    if not is_distributed():
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.add(_SETTLE_KEY, 1)
         deadline = time.monotonic() + timeout_s
         while store.add(_SETTLE_KEY, 0) < dist.get_world_size() and time.monotonic() < deadline:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from losses.distributed import gather
+from contrastive_accelerate import collectives
 from losses.inputs import batch_sizes, local_problem, require_global_batch
 from losses.logsumexp import DENSE_MAX_BYTES, auto_tile_rows, tiled_logsumexp
 from losses.precision import autocast_off, compute_dtype, matmul
@@ -32,14 +32,14 @@ class InfoNCELoss(nn.Module):
     of both directions against the gathered columns of the other tower, with
     positives at their global index (uneven batches included; peers assume
     ``arange(n) + rank * n``). ``logit_scale`` is a float or a scalar tensor that may
-    require grad. The mean of the returned values over ranks is the loss, and DDP's
-    gradient average is the single-process gradient, ``logit_scale``'s included when
-    it is a parameter of the DDP-wrapped model.
+    require grad; its gradient is exact too when it is a parameter of the DDP-wrapped
+    model (see ``losses``).
 
     Example::
 
         criterion = InfoNCELoss()
-        loss = criterion(image_features, text_features, model.logit_scale.exp())
+        z0, z1 = F.normalize(model(view0), dim=1), F.normalize(model(view1), dim=1)
+        loss = criterion(z0, z1, model.log_logit_scale.exp())  # SimCLR(logit_scale=1 / 0.07)
         accelerator.backward(loss)
     """
 
@@ -66,8 +66,8 @@ class InfoNCELoss(nn.Module):
             dtype = compute_dtype(features0, features1)
             f0, f1 = features0.to(dtype), features1.to(dtype)
             scale = _as_tensor(logit_scale, f0)
-            keys0 = gather(f0, sizes=sizes) if world_size > 1 else f0
-            keys1 = gather(f1, sizes=sizes) if world_size > 1 else f1
+            keys0 = collectives.gather(f0, sizes=sizes) if world_size > 1 else f0
+            keys1 = collectives.gather(f1, sizes=sizes) if world_size > 1 else f1
             tile_rows = self.tile_rows or auto_tile_rows(
                 len(f0), len(keys0), f0, self.dense_max_bytes
             )
@@ -93,13 +93,13 @@ class SigLIPLoss(nn.Module):
     stays at one tile however many ranks there are (open_clip issue #942; its
     alternative is a ring exchange with neighbours). None picks one tile while it
     takes at most ``dense_max_bytes``. ``logit_scale`` and ``logit_bias`` are floats
-    or scalar tensors that may require grad. The mean of the returned values over
-    ranks is the loss, and DDP's gradient average is the single-process gradient.
+    or scalar tensors that may require grad.
 
     Example::
 
-        criterion = SigLIPLoss()
-        loss = criterion(image_features, text_features, model.logit_scale.exp(), model.logit_bias)
+        criterion = SigLIPLoss()  # SimCLR(logit_scale=10.0, logit_bias=-10.0)
+        z0, z1 = F.normalize(model(view0), dim=1), F.normalize(model(view1), dim=1)
+        loss = criterion(z0, z1, model.log_logit_scale.exp(), model.logit_bias)
         accelerator.backward(loss)
     """
 
@@ -128,7 +128,7 @@ class SigLIPLoss(nn.Module):
             dtype = compute_dtype(features0, features1)
             f0, f1 = features0.to(dtype), features1.to(dtype)
             scale, bias = _as_tensor(logit_scale, f0), _as_tensor(logit_bias, f0)
-            keys = gather(f1, sizes=sizes) if world_size > 1 else f1
+            keys = collectives.gather(f1, sizes=sizes) if world_size > 1 else f1
             offset, columns = sum(sizes[:rank]), len(keys)
             tile = self.tile_columns or auto_tile_rows(
                 columns, max(len(f0), 1), f0, self.dense_max_bytes

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from losses.distributed import gather
+from contrastive_accelerate import collectives
 from losses.logsumexp import DENSE_MAX_BYTES
 from losses.precision import autocast_off
 from losses.views import GatheredViews, TwoViewLoss
@@ -24,8 +24,7 @@ class DCLLoss(TwoViewLoss):
 
     one log-sum-exp over the negatives of both views (the paper's Eq. 6; lightly's
     ``DCLLoss`` on one process). Distributed as ``NTXentLoss`` is: local rows against
-    all gathered columns, uneven batches included; the mean of the returned values
-    over ranks is the loss, and DDP's gradient average is the single-process gradient.
+    all gathered columns, exact on any number of processes (see ``losses``).
 
     ``weight_fn(z0, z1) -> (n,)`` gets this rank's normalised embeddings, as in
     lightly; it is not differentiated. For weights over the global batch use
@@ -108,6 +107,8 @@ class DCLWLoss(DCLLoss):
     def _positive_weights(self, views: GatheredViews):
         with torch.no_grad():
             similarity = (views.z0 * views.z1).sum(dim=1) / self.sigma
-            every = gather(similarity, sizes=views.sizes) if views.world_size > 1 else similarity
+            every = similarity
+            if views.world_size > 1:
+                every = collectives.gather(similarity, sizes=views.sizes)
             weights = 2 - sum(views.sizes) * torch.exp(similarity - torch.logsumexp(every, dim=0))
         return weights, weights

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from losses.distributed import all_gather_sizes, is_distributed
+from contrastive_accelerate.collectives import all_gather_sizes, is_distributed
 
 _SHAPES, _NOT_2D, _NOT_FINITE, _LABELS, _SCALARS = 1, 2, 3, 4, 5
 _PROBLEMS = {

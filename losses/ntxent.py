@@ -19,12 +19,10 @@ class NTXentLoss(TwoViewLoss):
 
     Each rank computes the rows of its own 2n samples against all 2N gathered
     columns, never the full 2N x 2N matrix, with one similarity matmul over both
-    views. The gather is differentiable (``losses.gather``), and the local sum is
-    scaled by ``world_size / (2N)`` so that DDP's gradient *average* equals the
-    single-process gradient on the concatenated global batch, for uneven per-rank
-    batch sizes too. The mean of the returned values over ranks is the loss above.
-    (``Accelerator.gather`` in place of the gather would carry no gradient to the
-    other ranks: each would optimise only the rows of its own samples.)
+    views. The gather is differentiable (``contrastive_accelerate.collectives.gather``)
+    and the local sum is scaled by ``world_size / (2N)``: exact on any number of
+    processes (see ``losses``). ``Accelerator.gather`` in place of the gather would
+    carry no gradient to the other ranks: each would optimise only its own rows.
 
     Inputs of any floating dtype, inside or outside autocast: the similarities,
     log-sum-exp and the loss are computed in float32 (float64 stays float64), and

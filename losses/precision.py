@@ -31,7 +31,7 @@ def autocast_off(device: torch.device) -> Iterator[None]:
         yield
 
 
-class _Float32MatMul(torch.autograd.Function):
+class _MatMulWithoutAutocast(torch.autograd.Function):
     """``a @ b`` with autocast off in forward *and* backward.
 
     forward: ``c = a @ b``;  backward: ``da = g @ b^T``, ``db = a^T @ g``.
@@ -63,4 +63,4 @@ class _Float32MatMul(torch.autograd.Function):
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` computed in the inputs' dtype, forward and backward, even under autocast."""
-    return _Float32MatMul.apply(a, b)
+    return _MatMulWithoutAutocast.apply(a, b)

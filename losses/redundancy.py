@@ -1,11 +1,11 @@
 """Redundancy-reduction losses (Barlow Twins, VICReg) on statistics of the global batch.
 
 Both need per-dimension means and (co)variances of the whole global batch. Each
-rank sums its rows and the sums are all-reduced with a gradient (``losses.all_reduce``),
-so every rank computes the same global loss; with that all-reduce's backward,
-DDP's gradient average is exactly the single-process gradient. The statistics are
-exchanged, not the embeddings: d or d x d numbers per rank instead of n x d, and
-each rank does 1/W of the d x d work. Uneven and empty ranks are fine.
+rank sums its rows and the sums are all-reduced with a gradient
+(``contrastive_accelerate.collectives.all_reduce``), so every rank computes the same
+global loss with the exact gradient (see ``losses``). The
+statistics are exchanged, not the embeddings: d or d x d numbers per rank instead of
+n x d, and each rank does 1/W of the d x d work. Uneven and empty ranks are fine.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from losses.distributed import all_reduce, is_distributed
+from contrastive_accelerate import collectives
 from losses.inputs import batch_sizes, local_problem, require_global_batch
 from losses.precision import autocast_off, compute_dtype, matmul
 
 
 def _summed(distributed: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The sum over ranks, with gradients (``losses.all_reduce``), or this rank's value."""
-    return all_reduce if distributed else (lambda x: x)
+    """The sum over ranks, with gradients (``collectives.all_reduce``), or this rank's value."""
+    return collectives.all_reduce if distributed else (lambda x: x)
 
 
 def _centred(z: torch.Tensor, count: int, summed) -> torch.Tensor:
@@ -107,7 +107,7 @@ class BarlowTwinsLoss(nn.Module):
         name = type(self).__name__
         _, _, sizes = batch_sizes(name, z_a, local_problem(z_a, z_b), self.gather_distributed)
         require_global_batch(name, sizes, 2, "for a standard deviation")
-        distributed = self.gather_distributed and is_distributed()
+        distributed = self.gather_distributed and collectives.is_distributed()
         count = sum(sizes)
         with autocast_off(z_a.device):
             dtype = compute_dtype(z_a, z_b)
@@ -167,7 +167,8 @@ class VICRegLoss(nn.Module):
         name = type(self).__name__
         _, _, sizes = batch_sizes(name, z_a, local_problem(z_a, z_b), self.gather_distributed)
         require_global_batch(name, sizes, 2, "for a variance")
-        count, summed = sum(sizes), _summed(self.gather_distributed and is_distributed())
+        distributed = self.gather_distributed and collectives.is_distributed()
+        count, summed = sum(sizes), _summed(distributed)
         with autocast_off(z_a.device):
             dtype = compute_dtype(z_a, z_b)
             z_a, z_b = z_a.to(dtype), z_b.to(dtype)

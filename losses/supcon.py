@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from losses.distributed import gather
+from contrastive_accelerate import collectives
 from losses.logsumexp import DENSE_MAX_BYTES
 from losses.precision import autocast_off
 from losses.views import GatheredViews, TwoViewLoss
@@ -23,8 +23,7 @@ class SupConLoss(TwoViewLoss):
     other view the only positive: NT-Xent. Labels are gathered with the embeddings,
     so positives are found across ranks; the positive term uses the sum of each
     class's gathered embeddings, never a 2N x 2N mask. Distributed as ``NTXentLoss``
-    is, uneven batches included; the mean of the returned values over ranks is the
-    loss, and DDP's gradient average is the single-process gradient.
+    is, exact on any number of processes (see ``losses``).
 
     Example::
 
@@ -62,7 +61,9 @@ class SupConLoss(TwoViewLoss):
         """``sum_i 1/|P(i)| sum_{p in P(i)} s_ip`` over this rank's anchors."""
         local, keys = views.local, views.keys
         labels = labels.to(local.device).long()
-        every = gather(labels, sizes=views.sizes) if views.world_size > 1 else labels
+        every = labels
+        if views.world_size > 1:
+            every = collectives.gather(labels, sizes=views.sizes)
         # Key labels in the keys' order: each rank's first views, then its second views.
         key_labels = torch.cat([torch.cat([block, block]) for block in every.split(views.sizes)])
         classes, key_class = torch.unique(key_labels, return_inverse=True)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from losses.distributed import gather
+from contrastive_accelerate import collectives
 from losses.inputs import batch_sizes, local_problem, require_global_batch
 from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
 from losses.precision import compute_dtype
@@ -63,7 +63,9 @@ class TwoViewLoss(nn.Module):
         dtype = compute_dtype(out0, out1)
         z0, z1 = F.normalize(out0.to(dtype), dim=1), F.normalize(out1.to(dtype), dim=1)
         local = torch.cat([z0, z1])
-        keys = gather(local, sizes=[2 * size for size in sizes]) if world_size > 1 else local
+        keys = local
+        if world_size > 1:
+            keys = collectives.gather(local, sizes=[2 * size for size in sizes])
         return GatheredViews(z0, z1, local, keys, 2 * sum(sizes[:rank]), world_size, sizes)
 
     def _log_denominator(self, views: GatheredViews, excluded: torch.Tensor) -> torch.Tensor:
@@ -81,6 +83,5 @@ class TwoViewLoss(nn.Module):
 
     @staticmethod
     def _global_mean(local_sum: torch.Tensor, views: GatheredViews) -> torch.Tensor:
-        """A sum over this rank's 2n anchors, scaled so that the mean over ranks is the mean
-        over all 2N anchors and DDP's gradient average is the single-process gradient."""
+        """A sum over this rank's 2n anchors, scaled by ``W / 2N`` (see ``losses``)."""
         return local_sum * (views.world_size / (2 * sum(views.sizes)))

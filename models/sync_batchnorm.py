@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from losses.distributed import all_gather_single, is_distributed
+from contrastive_accelerate.collectives import all_gather_rows, is_distributed
+from contrastive_accelerate.compat import BatchNormBase
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -67,7 +68,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 local[:1].fill_(local_count)
                 torch.add(rounded_mean, sum_d, alpha=1 / local_count, out=local[1 : 1 + channels])
                 torch.sub(sum_d2, sum_d**2, alpha=1 / local_count, out=local[1 + channels :])
-            table = _all_gather_stack(local, group)
+            table = gather_statistics(local, group)
             counts, means, m2s = table[:, :1], table[:, 1 : 1 + channels], table[:, 1 + channels :]
             count = counts.sum()
             # Only a rank holding at most one value can be part of a global batch that small;
@@ -120,7 +121,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             # ring all-reduce takes two (gloo: ~0.5 ms less per layer), and the same
             # summation order on every rank.
             local = torch.cat([local_sum_dy, local_sum_dy_xhat])
-            sum_dy, sum_dy_xhat = _all_gather_stack(local, ctx.group).sum(0).chunk(2)
+            sum_dy, sum_dy_xhat = gather_statistics(local, ctx.group).sum(0).chunk(2)
             invstd = torch.rsqrt(var + ctx.eps)
             scale = invstd if weight is None else invstd * weight
             # dx = scale dy + [xhat (-scale sum(dy xhat)/M) - scale sum(dy)/M]; the bracket is one
@@ -144,12 +145,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return grad_input.to(x.dtype), grad_weight, grad_bias, None, None
 
 
-def _all_gather_stack(local: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's 1-D ``local`` as the rows of a (world size, n) tensor: one message round."""
-    world_size = dist.get_world_size(group)
-    table = local.new_empty(world_size * local.numel())
-    all_gather_single(table, local, group=group)
-    return table.view(world_size, -1)
+def gather_statistics(local: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D ``local`` as the rows of a (world size, n) tensor: one message round
+    (the layer's only exchange, forward and backward; ``benchmarks.sync_batchnorm`` times it)."""
+    return all_gather_rows(local[None], group, sizes=[1] * dist.get_world_size(group))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -161,7 +160,7 @@ def _expand(per_channel: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return per_channel.view(1, -1, *([1] * (like.dim() - 2)))
 
 
-class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+class SyncBatchNorm(BatchNormBase):
     """Drop-in BatchNorm{1,2,3}d whose training statistics span all ranks of ``process_group``.
 
     Training mode, distributed: normalises with the mean and biased variance of the
@@ -218,9 +217,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     """Replace every BatchNorm{1,2,3}d in ``module`` by ``SyncBatchNorm``, keeping its state."""
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-        module, SyncBatchNorm
-    ):
+    if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):
         reference = next(itertools.chain(module.parameters(), module.buffers()), None)
         placement = {}
         if reference is not None and reference.is_floating_point():

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import losses.distributed
+from contrastive_accelerate import collectives
+from contrastive_accelerate.collectives import all_gather_rows, all_gather_sizes
 from losses import (
     BarlowTwinsLoss,
     DCLLoss,
     DCLWLoss,
-    GatherLayer,
     InfoNCELoss,
     NTXentLoss,
     SigLIPLoss,
@@ -31,35 +31,60 @@ FEATURES = 5
 TEMPERATURE = 0.3
 
 
-class NoGradGather(GatherLayer):
-    """Known-bad: no gradient to other ranks, as with ``Accelerator.gather``."""
+def no_grad_gather(x, group=None, sizes=None, **_):
+    """Known-bad: no gradient to any rank, as with ``Accelerator.gather``."""
+    return all_gather_rows(x, group, sizes)
 
+
+class _LocalSliceGather(torch.autograd.Function):
     @staticmethod
-    def backward(ctx, grad_output):
-        return None, None, None
-
-
-class LocalSliceGather(GatherLayer):
-    """Known-bad: this rank's slice of its own incoming gradient only."""
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.rank = sizes, dist.get_rank(group)
+        return all_gather_rows(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
         return grad_output.split(ctx.sizes)[ctx.rank], None, None
 
 
-class NoGradAllReduce(torch.autograd.Function):
-    """Known-bad: an in-place ``dist.all_reduce``; each rank's input gets only its own
-    loss's gradient (lightly issues #1920, #1977)."""
+def local_slice_gather(x, group=None, sizes=None, **_):
+    """Known-bad: the classic ``GatherLayer``, this rank's slice of its own gradient only."""
+    sizes = sizes or all_gather_sizes(x, group)[0]
+    return _LocalSliceGather.apply(x, sizes, group)
 
+
+class _SliceThenAllReduceGather(_LocalSliceGather):
     @staticmethod
-    def forward(ctx, x, group):
+    def backward(ctx, grad_output):
+        local = grad_output.split(ctx.sizes)[ctx.rank]
+        padded = local.new_zeros((max(ctx.sizes), *local.shape[1:]))
+        padded[: len(local)] = local
+        dist.all_reduce(padded)
+        return padded[: len(local)], None, None
+
+
+def slice_then_all_reduce_gather(x, group=None, sizes=None, **_):
+    """Known-bad: this rank's slice, then all-reduced (it sums other ranks' rows)."""
+    sizes = sizes or all_gather_sizes(x, group)[0]
+    return _SliceThenAllReduceGather.apply(x, sizes, group)
+
+
+class _NoGradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
         total = x.clone()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output, None
+        return grad_output
+
+
+def no_grad_all_reduce(x, group=None):
+    """Known-bad: an in-place ``dist.all_reduce``; each rank's input gets only its own
+    loss's gradient (lightly issues #1920, #1977)."""
+    return _NoGradAllReduce.apply(x)
 
 
 class PerRankSoftmaxDCLW(DCLWLoss):
@@ -89,8 +114,8 @@ class Case:
     controls: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
-GATHER_CONTROLS = {"no_grad_gather": lambda: Patched("GatherLayer", NoGradGather)}
-REDUCE_CONTROLS = {"no_grad_all_reduce": lambda: Patched("AllReduceLayer", NoGradAllReduce)}
+GATHER_CONTROLS = {"no_grad_gather": lambda: Patched("gather", no_grad_gather)}
+REDUCE_CONTROLS = {"no_grad_all_reduce": lambda: Patched("all_reduce", no_grad_all_reduce)}
 
 CASES = {
     "ntxent": Case(
@@ -98,7 +123,7 @@ CASES = {
         lambda a, b: references.ntxent(a, b, TEMPERATURE),
         controls={
             **GATHER_CONTROLS,
-            "local_slice_gather": lambda: Patched("GatherLayer", LocalSliceGather),
+            "local_slice_gather": lambda: Patched("gather", local_slice_gather),
         },
     ),
     "ntxent_tiled": Case(
@@ -149,17 +174,18 @@ CASES = {
 
 
 class Patched:
-    """Context: ``losses.distributed.<name>`` replaced, as a broken implementation would be."""
+    """Context: ``contrastive_accelerate.collectives.<name>``, which the losses call, replaced
+    by a broken implementation."""
 
     def __init__(self, name: str, replacement) -> None:
         self.name, self.replacement = name, replacement
 
     def __enter__(self):
-        self.original = getattr(losses.distributed, self.name)
-        setattr(losses.distributed, self.name, self.replacement)
+        self.original = getattr(collectives, self.name)
+        setattr(collectives, self.name, self.replacement)
 
     def __exit__(self, *exc_info):
-        setattr(losses.distributed, self.name, self.original)
+        setattr(collectives, self.name, self.original)
 
 
 def global_batch(total: int) -> dict[str, torch.Tensor]:

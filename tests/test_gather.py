@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contrastive_accelerate.collectives import gather
 from contrastive_accelerate.testing import run_on_ranks
-from losses import GatherLayer, gather
+
+from loss_cases import local_slice_gather, no_grad_gather, slice_then_all_reduce_gather
 
 FEATURES = (3, 2)  # trailing shape: more than one trailing dim on purpose
 EXACT = 1e-10  # float64: the gather moves values, so only summation order differs
@@ -31,46 +33,12 @@ def _downstream(rank: int, gathered: torch.Tensor) -> torch.Tensor:
     return (torch.tanh(gathered @ projection) ** 2 * row_weights).sum() * (rank + 1)
 
 
-class AllReduceGather(GatherLayer):
-    """The fallback backward for backends without reduce-scatter."""
-
-    use_reduce_scatter = False
-
-
-class LocalSliceGather(GatherLayer):
-    """Known-bad (a): backward returns only this rank's slice of its own incoming gradient."""
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output.split(ctx.sizes)[ctx.rank], None, None
-
-
-class SliceThenAllReduceGather(GatherLayer):
-    """Known-bad (b): take this rank's slice, then all-reduce it (sums other ranks' rows)."""
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        size, max_size = ctx.sizes[ctx.rank], max(ctx.sizes)
-        local = torch.zeros((max_size, *grad_output.shape[1:]), dtype=grad_output.dtype)
-        local[:size] = grad_output.split(ctx.sizes)[ctx.rank]
-        dist.all_reduce(local, group=ctx.group)
-        return local[:size], None, None
-
-
-class NoGradGather(GatherLayer):
-    """Known-bad (c): no gradient, as with ``Accelerator.gather`` or ``dist.all_gather``."""
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return None, None, None
-
-
 GATHERS = {
-    "correct": GatherLayer,
-    "all_reduce": AllReduceGather,
-    "local_slice": LocalSliceGather,
-    "slice_all_reduce": SliceThenAllReduceGather,
-    "no_grad": NoGradGather,
+    "correct": gather,
+    "all_reduce": lambda x, sizes: gather(x, sizes=sizes, backward="all_reduce"),
+    "local_slice": local_slice_gather,
+    "slice_all_reduce": slice_then_all_reduce_gather,
+    "no_grad": no_grad_gather,
 }
 
 
@@ -95,8 +63,10 @@ def gather_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
             gathered = gather(non_contiguous)
             result["forward_error"] = _max_abs(gathered.detach(), full)
         else:
-            gathered = layer.apply(non_contiguous, sizes, None)
-        _downstream(rank, gathered).backward()
+            gathered = layer(non_contiguous, sizes=sizes)
+        output = _downstream(rank, gathered)
+        if output.requires_grad:  # not through a gather without gradient
+            output.backward()
         grad = local.grad if local.grad is not None else torch.zeros_like(local)
         result[name] = _max_abs(grad, reference_grad[rows])
 

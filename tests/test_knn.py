@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from contrastive_accelerate.collectives import all_gather_rows
 from contrastive_accelerate.data import evaluation_images, load_image_dataset
-from contrastive_accelerate.knn import _features, knn_data, knn_top1
-from contrastive_accelerate.ranks import all_gather_rows
+from contrastive_accelerate.knn import knn_data, knn_features, knn_top1
 from contrastive_accelerate.testing import run_on_ranks
 from models import SimCLR
 
@@ -49,7 +49,7 @@ def knn_worker(rank: int, world_size: int) -> dict:
 
     model, knn = _setup()
     accuracy = knn_top1(model, knn, batch_size=64)
-    bank, _ = _features(model, knn, knn.bank, knn.bank_labels, 64)
+    bank, _ = knn_features(model, knn, knn.bank, knn.bank_labels, 64)
     # The negative control: each rank's queries against its own share of the bank only.
     knn_module.all_gather_rows = lambda features: features
     local_bank_accuracy = knn_top1(model, knn, batch_size=64)

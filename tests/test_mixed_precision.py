@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
+from contrastive_accelerate.collectives import gather
 from contrastive_accelerate.testing import run_on_ranks
-from losses import gather
 from models import SyncBatchNorm, convert_sync_batchnorm
 
 from launch import launch
