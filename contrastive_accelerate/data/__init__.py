@@ -1,0 +1,45 @@
+"""Data for contrastive training that does not depend on the number of processes.
+
+One module per concern:
+
+- ``sources``: the dataset, its splits and columns (hub, local files, offline digits);
+- ``decoding``: stored images as tensors, unreadable ones named;
+- ``augmentation``: each sample's views drawn from (seed, epoch, index) alone;
+- ``sampler``: the global batch from (seed, epoch) and each rank's contiguous share;
+- ``loader``: one DataLoader for the run, its persistent workers stopped on exit.
+"""
+
+from contrastive_accelerate.data.augmentation import TwoViewBatch, TwoViews, simclr_augmentation
+from contrastive_accelerate.data.decoding import (
+    NORMALIZE,
+    UnreadableImage,
+    evaluation_images,
+    read_image,
+)
+from contrastive_accelerate.data.loader import train_loader, workers_stopped_on_exit
+from contrastive_accelerate.data.sampler import GlobalBatchSampler, batches_per_epoch, derive_seed
+from contrastive_accelerate.data.sources import (
+    DataError,
+    ImageData,
+    label_ids,
+    load_image_dataset,
+)
+
+__all__ = [
+    "NORMALIZE",
+    "DataError",
+    "GlobalBatchSampler",
+    "ImageData",
+    "TwoViewBatch",
+    "TwoViews",
+    "UnreadableImage",
+    "batches_per_epoch",
+    "derive_seed",
+    "evaluation_images",
+    "label_ids",
+    "load_image_dataset",
+    "read_image",
+    "simclr_augmentation",
+    "train_loader",
+    "workers_stopped_on_exit",
+]

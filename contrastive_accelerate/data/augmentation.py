@@ -1,0 +1,117 @@
+"""Augmentation: each sample's random views drawn from (seed, epoch, index) alone.
+
+``TwoViews`` seeds the augmentation of sample i from (seed, epoch, i), so its crops
+depend neither on the rank, nor on the dataloader worker, nor on the worker count.
+Items are ``(epoch, index)`` pairs: the dataset needs no mutable epoch state, and
+persistent workers stay correct.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torchvision.transforms import v2
+
+from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, read_image, resize_to
+from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
+
+
+def simclr_augmentation(image_size: int, crop_min_scale: float = 0.2) -> v2.Transform:
+    """SimCLR's augmentation (Chen et al., 2020, appendix A), sized for ``image_size``.
+
+    Gaussian blur is used from 64 px up, with a kernel of about 10% of the image,
+    as in the paper; for CIFAR-sized images the paper leaves it out.
+    """
+    transforms = [
+        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+        v2.RandomGrayscale(p=0.2),
+    ]
+    if image_size >= 64:
+        kernel = int(0.1 * image_size) // 2 * 2 + 1
+        transforms.append(v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5))
+    return v2.Compose(transforms)
+
+
+class TwoViews(torch.utils.data.Dataset):
+    """Two augmented views of one image; items are ``(epoch, index)`` pairs.
+
+    With ``per_sample_seed`` (the default) the views of sample i depend only on
+    (seed, epoch, i). Without it, augmentations draw from the process's global RNG
+    as most pipelines do, so they change with rank, worker and world size: kept
+    as an option to demonstrate exactly that.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        image_column: str,
+        image_size: int,
+        seed: int,
+        augment: bool = True,
+        per_sample_seed: bool = True,
+        crop_min_scale: float = 0.2,
+    ) -> None:
+        self.dataset, self.image_column, self.image_size = dataset, image_column, image_size
+        self.seed, self.per_sample_seed = seed, per_sample_seed
+        self.resize = resize_to(image_size)
+        self.augment = simclr_augmentation(image_size, crop_min_scale) if augment else v2.Identity()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(
+        self, item: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | UnreadableImage:
+        """Two views of sample ``index``; an unreadable image is returned, not raised, so
+        that the trainer can tell every rank about it before the next collective."""
+        epoch, index = item
+        try:
+            image = self.resize(read_image(self.dataset[index][self.image_column], index))
+        except UnreadableImage as unreadable:
+            # A fresh exception, without the caught one's traceback: its frames would keep
+            # this dataset and its Arrow tables alive in a reference cycle until shutdown.
+            return UnreadableImage(str(unreadable))
+        if not self.per_sample_seed:
+            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
+        # Reseed the CPU generator that torchvision draws from, and restore it so the
+        # caller's stream (e.g. dropout when num_workers=0) is untouched. Not
+        # torch.manual_seed: it also seeds every accelerator backend, ~100x slower.
+        generator = torch.default_generator
+        caller_state = generator.get_state()
+        generator.manual_seed(derive_seed(self.seed, AUGMENT_STREAM, epoch, index))
+        try:
+            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
+        finally:
+            generator.set_state(caller_state)
+
+    def collate(self, items: list) -> TwoViewBatch:
+        """Stack the readable items' views and dataset indices; an empty share (short last
+        batch on many ranks) gives empty tensors. Unreadable images are left out and
+        listed in ``unreadable``."""
+        unreadable = [item for item in items if isinstance(item, UnreadableImage)]
+        views = [item for item in items if not isinstance(item, UnreadableImage)]
+        if not views:
+            empty = torch.empty(0, 3, self.image_size, self.image_size)
+            return TwoViewBatch(empty, empty.clone(), torch.empty(0, dtype=torch.long), unreadable)
+        first, second, indices = zip(*views, strict=True)
+        return TwoViewBatch(
+            torch.stack(first), torch.stack(second), torch.tensor(indices), unreadable
+        )
+
+
+class TwoViewBatch(NamedTuple):
+    """A rank's share of a global batch: both views of each readable sample."""
+
+    view0: torch.Tensor
+    view1: torch.Tensor
+    indices: torch.Tensor  # each sample's index in the dataset
+    unreadable: list[UnreadableImage]
+
+    def split(self, chunks: int) -> list[TwoViewBatch]:
+        """Always ``chunks`` pieces (``tensor_split``), empty ones where the share is short,
+        so that every rank runs the same collectives."""
+        pieces = (tensor.tensor_split(chunks) for tensor in (self.view0, self.view1, self.indices))
+        return [TwoViewBatch(*piece, []) for piece in zip(*pieces, strict=True)]

@@ -1,0 +1,71 @@
+"""One DataLoader for the whole run: this rank's share of every global batch."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
+from torch.utils.data import DataLoader, Dataset
+
+from contrastive_accelerate.compat import shutdown_workers
+from contrastive_accelerate.data.sampler import GlobalBatchSampler
+from contrastive_accelerate.preemption import ignore_stop_signals
+
+
+def train_loader(
+    dataset: Dataset,
+    accelerator: Accelerator,
+    *,
+    batch_size: int,
+    seed: int,
+    drop_last: bool,
+    num_workers: int | None,
+    padded_batches: bool = False,
+) -> tuple[DataLoader, GlobalBatchSampler]:
+    """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
+    the first batch. Its workers persist across epochs (safe: each item's randomness
+    depends on its (epoch, index), not on the worker). ``num_workers`` None: one per
+    spare core of this process's share of the machine, at most 4. ``padded_batches``:
+    Accelerate's own sharding, whose ``even_batches`` pads a short last batch with
+    repeated samples (a negative control)."""
+    rank, world_size = accelerator.process_index, accelerator.num_processes
+    if padded_batches:  # Accelerate shards whole global batches itself
+        rank, world_size = 0, 1
+    sampler = GlobalBatchSampler(
+        len(dataset), batch_size, 0, seed, rank, world_size, drop_last=drop_last
+    )
+    if num_workers is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        num_workers = min(4, max(0, (cores or 1) // local_processes - 1))
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=dataset.collate,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=accelerator.device.type == "cuda",
+        worker_init_fn=ignore_stop_signals if num_workers else None,
+    )
+    if padded_batches:
+        loader = prepare_data_loader(
+            loader,
+            num_processes=accelerator.num_processes,
+            process_index=accelerator.process_index,
+            split_batches=True,
+            even_batches=True,
+        )
+    return loader, sampler
+
+
+@contextlib.contextmanager
+def workers_stopped_on_exit(loader: DataLoader) -> Iterator[None]:
+    """Stop the loader's persistent workers when the block ends, by an error too (see
+    ``compat.shutdown_workers`` for why they cannot be left to the garbage collector)."""
+    try:
+        yield
+    finally:
+        shutdown_workers(loader)

@@ -1,0 +1,205 @@
+"""Where training images come from: a hub dataset, a local folder or file, or the offline digits.
+
+``load_image_dataset`` returns the training split and the evaluation split with their
+image and label columns, the images undecoded (``contrastive_accelerate.data.decoding``
+decodes them, so that a broken file can be named).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+IMAGE_COLUMNS = ("image", "img", "pixel_values")
+LABEL_COLUMNS = ("label", "labels", "fine_label")
+EVAL_SPLITS = ("test", "validation", "valid", "val")
+#: Single data files that ``--dataset`` accepts, by suffix, and the ``datasets`` builder for each.
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+
+class DataError(ValueError):
+    """A dataset problem the user must fix: reported as one line, not a traceback."""
+
+
+@dataclass
+class ImageData:
+    """What ``load_image_dataset`` found: the splits, their columns, and where evaluation
+    images come from (``evaluation_source``: one line the trainer prints at start-up)."""
+
+    train: Any
+    evaluation: Any | None
+    image_column: str
+    label_column: str | None
+    evaluation_source: str
+
+
+def load_image_dataset(
+    name: str | None = None,
+    *,
+    config_name: str | None = None,
+    split: str = "train",
+    image_column: str | None = None,
+    label_column: str | None = None,
+    eval_split: str = "auto",
+    eval_holdout: float = 0.2,
+    evaluate: bool = True,
+) -> ImageData:
+    """Load the training split and, if ``evaluate``, an evaluation split, as HF datasets.
+
+    ``name`` is a hub dataset, a local dataset directory or image folder (through
+    ``datasets.load_dataset``, with ``config_name``), a directory written by
+    ``save_to_disk`` (a ``Dataset`` or ``DatasetDict``), or one ``.parquet``, ``.csv``
+    or ``.json(l)`` file. ``None`` is the offline default: scikit-learn's 8x8 digits,
+    real images that ship with the package.
+
+    Evaluation uses ``eval_split`` ("auto": the first of test / validation / valid /
+    val that exists); a labelled dataset without one gives up ``eval_holdout`` of its
+    training split (0 keeps every image for training and turns evaluation off). The
+    image column is returned undecoded: ``read_image`` decodes it, so that a broken
+    file can be named.
+    """
+    splits = _load_splits(name, config_name)
+    shown = name or "digits"
+    if split not in splits:
+        raise DataError(f"dataset {shown!r} has no split {split!r} (splits: {', '.join(splits)})")
+    train = splits[split]
+    columns = train.column_names
+    if image_column is None:
+        image_column = next((c for c in IMAGE_COLUMNS if c in columns), None)
+    if image_column not in columns:
+        wanted = repr(image_column) if image_column else " or ".join(map(repr, IMAGE_COLUMNS))
+        raise DataError(
+            f"dataset {shown!r} has no image column {wanted} "
+            f"(columns: {', '.join(columns)}); pass --image-column"
+        )
+    if label_column is None:
+        label_column = next((c for c in LABEL_COLUMNS if c in columns), None)
+    elif label_column not in columns:
+        raise DataError(
+            f"dataset {shown!r} has no label column {label_column!r} "
+            f"(columns: {', '.join(columns)})"
+        )
+
+    evaluation, source = None, "kNN evaluation: off"
+    if evaluate and label_column is None:
+        source = "kNN evaluation: off (the dataset has no label column; pass --label-column)"
+    elif evaluate:
+        candidates = EVAL_SPLITS if eval_split == "auto" else (eval_split,)
+        found = next((s for s in candidates if s in splits and s != split), None)
+        if eval_split != "auto" and found is None:
+            raise DataError(
+                f"dataset {shown!r} has no evaluation split {eval_split!r} "
+                f"(splits: {', '.join(splits)})"
+            )
+        if found is not None:
+            evaluation = splits[found]
+            source = f"kNN evaluation: split {found!r} ({len(evaluation)} images)"
+        elif eval_holdout > 0 and len(train) >= 2:
+            # Seed 0, not --seed: the same images are held out whatever the run's seed.
+            held = train.train_test_split(test_size=eval_holdout, seed=0)
+            train, evaluation = held["train"], held["test"]
+            source = (
+                f"kNN evaluation: {len(evaluation)} images held out of split {split!r} "
+                f"(--eval-holdout {eval_holdout:g}); training on the other {len(train)}"
+            )
+        else:
+            source = (
+                f"kNN evaluation: off (no evaluation split and --eval-holdout {eval_holdout:g})"
+            )
+        if evaluation is not None and label_column not in evaluation.column_names:
+            raise DataError(f"evaluation split has no label column {label_column!r}")
+    train = _undecoded(train, image_column, name)
+    if evaluation is not None:
+        evaluation = _undecoded(evaluation, image_column, name)
+    return ImageData(train, evaluation, image_column, label_column, source)
+
+
+def _load_splits(name: str | None, config_name: str | None):
+    """``{split: Dataset}`` from any source ``load_image_dataset`` accepts."""
+    import datasets
+
+    if name is None:
+        return {"train": _digits_dataset()}
+    looks_like_path = os.sep in name or name.startswith(".") or os.path.exists(name)
+    if looks_like_path and not os.path.exists(name):
+        raise DataError(f"dataset path {name!r} does not exist")
+    suffix = os.path.splitext(name)[1].lower()
+    try:
+        if os.path.isdir(name) and (
+            os.path.exists(os.path.join(name, "dataset_dict.json"))
+            or os.path.exists(os.path.join(name, "state.json"))
+        ):
+            if config_name:
+                raise DataError("--dataset-config does not apply to a save_to_disk directory")
+            dataset = datasets.load_from_disk(name)
+        elif os.path.isfile(name):
+            if suffix not in DATA_FILE_BUILDERS:
+                raise DataError(
+                    f"dataset file {name!r}: expected one of {', '.join(DATA_FILE_BUILDERS)}"
+                )
+            if config_name:
+                raise DataError("--dataset-config does not apply to a single data file")
+            dataset = datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files={"train": name})
+        else:
+            dataset = datasets.load_dataset(name, name=config_name)
+    except DataError:
+        raise
+    except Exception as error:  # datasets raises many types; the user needs one line
+        raise DataError(f"cannot load dataset {name!r}: {first_line(error)}") from None
+    if isinstance(dataset, datasets.Dataset):
+        return {"train": dataset}
+    return dict(dataset)
+
+
+def _undecoded(dataset, image_column: str, name: str | None):
+    """The image column as ``{"bytes", "path"}`` records (file paths become records too).
+
+    Relative paths in a single data file are taken relative to that file's folder.
+    """
+    import datasets
+
+    feature = dataset.features[image_column]
+    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+        if name and os.path.isfile(name):
+            folder = os.path.dirname(os.path.abspath(name))
+            dataset = dataset.map(
+                lambda path: {image_column: os.path.join(folder, path)},
+                input_columns=image_column,
+            )
+        return dataset.cast_column(image_column, datasets.Image(decode=False))
+    if isinstance(feature, datasets.Image) and feature.decode:
+        return dataset.cast_column(image_column, datasets.Image(decode=False))
+    return dataset
+
+
+def _digits_dataset():
+    import datasets
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    # 0..16 grey levels -> 0..255 uint8 images
+    images = (digits.images * (255 / 16)).round().astype(np.uint8)
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(d) for d in range(10)])}
+    )
+    return datasets.Dataset.from_dict(
+        {"image": list(images), "label": digits.target.tolist()}, features=features
+    )
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def label_ids(dataset, label_column: str) -> torch.Tensor:
+    """Every sample's label as an integer class id (string labels are numbered in sorted order)."""
+    labels = dataset[label_column]
+    if all(isinstance(label, int) and not isinstance(label, bool) for label in labels):
+        return torch.tensor(labels, dtype=torch.long)
+    classes = {label: i for i, label in enumerate(sorted(set(map(str, labels))))}
+    return torch.tensor([classes[str(label)] for label in labels], dtype=torch.long)
