@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from contrastive_accelerate.lars import LARS
+from contrastive_accelerate.optim import LARS
 
 
 def test_step_matches_the_formula():

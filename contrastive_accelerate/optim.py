@@ -1,8 +1,40 @@
-"""LARS: layer-wise adaptive rate scaling (You et al., 2017), as used by SimCLR."""
+"""Optimizers and the learning-rate schedule: SGD, AdamW, LARS, warm-up then cosine."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
+
+OPTIMIZERS = ("sgd", "adamw", "lars")
+
+
+def make_optimizer(
+    name: str, params, *, lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """One of ``OPTIMIZERS`` over ``params`` (AdamW ignores ``momentum``)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "lars":
+        return LARS(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """The learning rate of step ``s`` (0-based): linear warm-up, then cosine to zero.
+    A function of the step alone, so a checkpoint needs no scheduler state."""
+    warmup_steps = min(warmup_steps, total_steps)
+
+    def learning_rate(step: int) -> float:
+        if step < warmup_steps:
+            return peak * (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return peak * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return learning_rate
 
 
 class LARS(torch.optim.Optimizer):
