@@ -1,9 +1,11 @@
 """Checkpoints that are safe to load, safe to interrupt, and owned by one run.
 
-A checkpoint ``<output-dir>/checkpoint-<step>/`` holds three files:
+A checkpoint ``<output-dir>/checkpoint-<step>/`` holds three or four files:
 
 - ``model.safetensors``: the model's state (weights and BatchNorm running statistics);
 - ``optimizer.safetensors``: the optimizer's per-parameter tensors (momentum, Adam moments);
+- ``method.safetensors``, when the method keeps state across steps (a queue, a center,
+  a teacher): the same on every rank, so a run resumes on any number of processes;
 - ``trainer_state.json``: the step, the run's resolved options, and the optimizer's
   few non-tensor values.
 
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +36,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from contrastive_accelerate.config import flag
+
 FORMAT = "contrastive-accelerate-checkpoint/1"
-MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = (
+MODEL_FILE, OPTIMIZER_FILE, METHOD_FILE, STATE_FILE = (
     "model.safetensors",
     "optimizer.safetensors",
+    "method.safetensors",
     "trainer_state.json",
 )
 METRICS_FILE, LOCK_FILE, FINAL_DIR = "metrics.jsonl", ".lock", "final"
@@ -45,6 +51,15 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 class CheckpointError(ValueError):
     """A checkpoint or output-directory problem: reported as one line naming the path."""
+
+
+@dataclass
+class RunState:
+    """What every checkpoint of a run records besides the tensors."""
+
+    config: dict[str, Any]  # the run's resolved options
+    train_samples: int
+    world_size: int
 
 
 @dataclass
@@ -58,6 +73,7 @@ class Checkpoint:
     model_state: dict[str, torch.Tensor]
     optimizer_tensors: dict[str, torch.Tensor]
     optimizer_values: dict[str, Any]
+    method_state: dict[str, torch.Tensor]  # empty for a method without state
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -96,9 +112,8 @@ def save_checkpoint(
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    config: dict[str, Any],
-    train_samples: int,
-    world_size: int,
+    state: RunState,
+    method_state: dict[str, torch.Tensor] | None = None,
 ) -> str:
     """Write ``checkpoint-<step>`` atomically; call on one process. Returns its path.
 
@@ -108,12 +123,12 @@ def save_checkpoint(
     final = os.path.join(output_dir, f"checkpoint-{step}")
     partial = os.path.join(output_dir, f".checkpoint-{step}.partial")
     optimizer_tensors, optimizer_values = _flatten_optimizer_state(optimizer.state_dict())
-    state = {
+    trainer_state = {
         "format": FORMAT,
         "step": step,
-        "world_size": world_size,
-        "train_samples": train_samples,
-        "config": config,
+        "world_size": state.world_size,
+        "train_samples": state.train_samples,
+        "config": state.config,
         "optimizer": optimizer_values,
     }
     try:
@@ -121,7 +136,9 @@ def save_checkpoint(
         os.makedirs(partial)
         _write_tensors(os.path.join(partial, MODEL_FILE), model.state_dict())
         _write_tensors(os.path.join(partial, OPTIMIZER_FILE), optimizer_tensors)
-        _write_json(os.path.join(partial, STATE_FILE), state)
+        if method_state:
+            _write_tensors(os.path.join(partial, METHOD_FILE), method_state)
+        _write_json(os.path.join(partial, STATE_FILE), trainer_state)
         _fsync_directory(partial)
         replaced = None
         if os.path.exists(final):  # the same step saved again (e.g. a resumed run)
@@ -169,6 +186,11 @@ def load_checkpoint(path: str) -> Checkpoint:
         model_state=_read_tensors(path, MODEL_FILE),
         optimizer_tensors=_read_tensors(path, OPTIMIZER_FILE),
         optimizer_values=state["optimizer"],
+        method_state=(
+            _read_tensors(path, METHOD_FILE)
+            if os.path.exists(os.path.join(path, METHOD_FILE))
+            else {}
+        ),
     )
 
 
@@ -264,6 +286,53 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: Checkpoin
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
+def resume(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: RunState,
+    rules: dict[str, str],
+    resolve: Callable[[dict[str, Any]], dict[str, Any]] = dict,
+) -> tuple[Checkpoint, list[str]]:
+    """Load ``path`` into ``model`` and ``optimizer``; returns the checkpoint and the
+    option changes it applies, as ``--flag old -> new``.
+
+    Every option that shapes the optimisation was saved with the checkpoint. ``rules``
+    gives each option's rule (``contrastive_accelerate.config``): a changed "apply"
+    option is applied, a changed "refuse" option is an error, as is another training set.
+    ``resolve`` fills the derived defaults of the saved options as this version does
+    (an older checkpoint may have left one at None).
+    """
+    checkpoint = load_checkpoint(path)
+    try:
+        saved = resolve(checkpoint.config)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"--resume-from {path!r}: invalid saved options: {error}") from None
+    changed, refused = [], []
+    for name, rule in rules.items():
+        if rule == "free":
+            continue
+        if name not in checkpoint.config:
+            refused.append(f"{flag(name)} (not in the checkpoint)")
+        elif saved[name] != state.config[name]:
+            entry = f"{flag(name)} {saved[name]!r} -> {state.config[name]!r}"
+            (changed if rule == "apply" else refused).append(entry)
+    if refused:
+        raise CheckpointError(
+            f"--resume-from {path!r}: this run differs from the checkpoint's in "
+            f"{'; '.join(refused)}; these must match to continue it"
+        )
+    if checkpoint.train_samples != state.train_samples:
+        raise CheckpointError(
+            f"--resume-from {path!r}: the checkpoint's run trained on {checkpoint.train_samples} "
+            f"images, this one has {state.train_samples} (the dataset, --eval-holdout or "
+            "--knn-k 0 changed what is held out)"
+        )
+    load_model_state(model, checkpoint)
+    load_optimizer_state(optimizer, checkpoint)
+    return checkpoint, changed
+
+
 def _flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split ``optimizer.state_dict()`` into safetensors-ready tensors and JSON values."""
     tensors, values = {}, {}
@@ -324,6 +393,9 @@ def _reason(error: Exception) -> str:
 class RunDirectory:
     """The output directory of one run: its lock, checkpoints, final model and metrics.
 
+    ``save_checkpoint`` and ``save_final`` write there (call them on one process) and
+    keep only the newest ``keep`` checkpoints (None: all).
+
     ``claim`` (main process) takes the directory's lock, an ``flock`` that the
     operating system drops when the process ends however it ends, so a crashed run
     never leaves it stuck; a second run on the same directory is refused while the
@@ -332,9 +404,27 @@ class RunDirectory:
     (``--overwrite-output-dir``).
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, keep: int | None = None) -> None:
+        self.path, self.keep = path, keep
         self._lock_file = None
+
+    def save_checkpoint(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: RunState,
+        method_state: dict[str, torch.Tensor] | None = None,
+    ) -> str:
+        """``checkpoint-<step>``, written atomically; older ones pruned to ``keep``."""
+        path = save_checkpoint(self.path, step, model, optimizer, state, method_state)
+        if self.keep:
+            self.prune(self.keep)
+        return path
+
+    def save_final(self, model) -> str:
+        """The trained model in ``final/``, ``save_pretrained``'s format, atomically."""
+        return save_final_model(self.path, model)
 
     def claim(self, resume_from: str | None, overwrite: bool) -> str | None:
         """Lock the directory and apply the rules above; returns the checkpoint to resume."""
@@ -376,7 +466,7 @@ class RunDirectory:
     def _lock(self) -> None:
         try:
             import fcntl
-        except ImportError:  # not POSIX: no lock, as before
+        except ImportError:  # not POSIX: no lock
             return
         path = os.path.join(self.path, LOCK_FILE)
         lock_file = open(path, "a+")  # noqa: SIM115 - held open for the run's lifetime

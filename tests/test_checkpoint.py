@@ -15,6 +15,7 @@ from contrastive_accelerate.checkpoint import (
     STATE_FILE,
     CheckpointError,
     RunDirectory,
+    RunState,
     complete_checkpoints,
     latest_checkpoint,
     load_checkpoint,
@@ -54,7 +55,7 @@ def _step(model, optimizer, seed: int) -> None:
 
 
 def _save(tmp_path, model, optimizer, step=3) -> str:
-    return save_checkpoint(str(tmp_path), step, model, optimizer, {"lr": 0.1}, 100, 2)
+    return save_checkpoint(str(tmp_path), step, model, optimizer, RunState({"lr": 0.1}, 100, 2))
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
@@ -121,7 +122,7 @@ def test_strict_loading_names_the_mismatch(tmp_path):
 def test_latest_ignores_partial_and_incomplete_directories(tmp_path):
     model, optimizer = _trained("sgd")
     for step in (9, 10, 2):
-        save_checkpoint(str(tmp_path), step, model, optimizer, {}, 1, 1)
+        save_checkpoint(str(tmp_path), step, model, optimizer, RunState({}, 1, 1))
     shutil.copytree(tmp_path / "checkpoint-10", tmp_path / ".checkpoint-11.partial")
     shutil.copytree(tmp_path / "checkpoint-10", tmp_path / "checkpoint-12")
     (tmp_path / "checkpoint-12" / STATE_FILE).write_text('{"step": 12')  # cut short
