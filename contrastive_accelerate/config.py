@@ -38,14 +38,16 @@ def option(
     default: Any,
     help: str,
     *,
-    resume: str,
+    resume: str = "refuse",
     choices: Sequence[Any] | None = None,
     at_least: float | None = None,
     above: float | None = None,
     below: float | None = None,
     at_most: float | None = None,
 ) -> Any:
-    """A dataclass field carrying everything the CLI, config files and validation need."""
+    """A dataclass field carrying everything the CLI, config files and validation need.
+
+    ``resume`` is "refuse" unless the option may change when a checkpoint is continued."""
     if resume not in RESUME_RULES:
         raise ValueError(f"resume must be one of {RESUME_RULES}")
     metadata = {

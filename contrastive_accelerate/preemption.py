@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
+from typing import NoReturn
 
 #: sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": the run
 #: saved a checkpoint on a signal and can be requeued with ``--resume-from latest``.
@@ -74,6 +76,13 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     a forwarded copy must not turn the exit code into a death by signal."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def exit_preempted() -> NoReturn:
+    """Exit with ``EXIT_PREEMPTED`` once the checkpoint is written; a launcher's forwarded
+    copy of the signal must not turn this exit into a death by signal."""
+    ignore_stop_signals()
+    sys.exit(EXIT_PREEMPTED)
 
 
 def _say(message: str) -> None:

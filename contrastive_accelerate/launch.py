@@ -1,0 +1,155 @@
+"""What the trainer's command needs around training: its Accelerator, the launch checks,
+and one-line errors with exit codes on every rank.
+
+Exit codes: 0 trained; 2 bad input or a lost peer (one ``error:`` line on every rank
+that can still speak); 75 stopped by a signal after a checkpoint
+(``contrastive_accelerate.preemption``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.util
+import os
+import re
+import sys
+import traceback
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator, DistributedType
+from accelerate.utils import InitProcessGroupKwargs
+
+from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
+from contrastive_accelerate.ranks import settle_before_exit
+
+#: Each process holds a full replica (DDP) or there is one process.
+SUPPORTED_DISTRIBUTED_TYPES = (
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_SDAA,
+    DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_HPU,
+)
+
+
+class TrainerError(ValueError):
+    """A configuration or input problem: reported as one line on every rank."""
+
+
+def make_accelerator(
+    output_dir: str, report_to: str, collective_timeout: float | None
+) -> Accelerator:
+    """The Accelerator of a run that brings none: trackers and the collective timeout."""
+    handlers = []
+    if collective_timeout is not None:
+        timeout = datetime.timedelta(seconds=collective_timeout)
+        handlers.append(InitProcessGroupKwargs(timeout=timeout))
+    return Accelerator(
+        # Without an accelerator, Accelerate launched with several processes reports
+        # DistributedType.NO unless told to use the CPU: every process would train alone.
+        cpu=not torch.accelerator.is_available(),
+        log_with=None if report_to == "none" else report_to,
+        project_dir=output_dir,
+        kwargs_handlers=handlers,
+    )
+
+
+def check_launch(
+    accelerator: Accelerator,
+    own_accelerator: bool,
+    *,
+    batch_size: int,
+    dtype: str,
+    report_to: str,
+    collective_timeout: float | None,
+) -> None:
+    """Refuse, in one line, what Accelerate would run but the trainer cannot honour."""
+    world_size = accelerator.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and world_size == 1:
+        raise TrainerError(
+            f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
+            f"({accelerator.distributed_type}): each process would train alone"
+        )
+    if accelerator.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
+        raise TrainerError(
+            f"{accelerator.distributed_type} is not supported: the trainer keeps a full "
+            "replica per process (DDP); launch with a multi-GPU, multi-CPU or single-process config"
+        )
+    accumulation = max(
+        accelerator.gradient_accumulation_steps, launcher_gradient_accumulation_steps()
+    )
+    if accumulation > 1:
+        raise TrainerError(
+            f"gradient accumulation ({accumulation} steps) is not supported: each micro-batch "
+            "would see only its own negatives, a different contrastive objective; use the "
+            f"trainer's --accumulation-chunks {accumulation} (gradient caching: the same memory "
+            "saving, every negative)"
+        )
+    precision = accelerator.mixed_precision
+    if precision == "fp8":
+        raise TrainerError("--mixed_precision fp8 is not supported; use bf16 or fp16")
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        raise TrainerError(
+            "--mixed_precision fp16 needs a GPU: on the CPU Accelerate would silently train in "
+            "float32; use --mixed_precision bf16"
+        )
+    if dtype == "float64" and precision != "no":
+        raise TrainerError("--dtype float64 cannot be combined with mixed precision")
+    if batch_size % world_size:
+        raise TrainerError(
+            f"--batch-size {batch_size} is the global batch: it must be divisible by "
+            f"the {world_size} processes"
+        )
+    if not own_accelerator:
+        if report_to != "none" or collective_timeout is not None:
+            raise TrainerError(
+                "--report-to and --collective-timeout configure the Accelerator that train() "
+                "makes; with your own, pass log_with / InitProcessGroupKwargs to it instead"
+            )
+    elif report_to in ("tensorboard", "wandb") and importlib.util.find_spec(report_to) is None:
+        raise TrainerError(
+            f"--report-to {report_to}: {report_to} is not installed (pip install {report_to})"
+        )
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """The body of a command: bad input (a ``ValueError``, which every rank raises alike)
+    and a lost peer become one ``error:`` line and exit code 2; any other error keeps its
+    traceback, as a bug should. The process group ends on the way out, whatever happens."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and not collective_failure(error):
+            raise
+        # One write per line: the ranks share the launcher's stderr and must not interleave.
+        text = " ".join(str(error).split()) or type(error).__name__
+        lost_contact = isinstance(error, RuntimeError)
+        if lost_contact:
+            text = re.sub(r"^\[[^]]*\]\s*", "", text)  # gloo's source-location prefix
+            text = f"lost contact with another process (stalled or died): {text[:200]}"
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), f"error: {text}\n".encode())
+        if not lost_contact:  # a stalled or dead peer would never arrive
+            settle_before_exit()
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def collective_failure(error: RuntimeError) -> bool:
+    """A collective that timed out or lost its peer. gloo raises plain RuntimeErrors, from
+    torch.distributed or from inside DDP's backward; their text names the transport."""
+    if isinstance(error, dist.DistError) or re.search(r"gloo|nccl|c10d", str(error), re.I):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(f"torch{os.sep}distributed{os.sep}" in frame.filename for frame in frames[-3:])
