@@ -17,49 +17,45 @@ from functools import partial
 
 import torch
 
-import trainer
 from benchmarks import standalone
 from benchmarks.fresh_process import in_fresh_process, memory_status_bytes
+from contrastive_accelerate.data import TwoViewBatch, load_image_dataset
 from contrastive_accelerate.grad_cache import cached_backward
-from losses import NTXentLoss
-from models import SimCLR, convert_sample_dropout
-
-CRITERION = NTXentLoss(0.5)
+from contrastive_accelerate.methods import SimCLRMethod
+from trainer import TrainConfig
 
 
 def _setup(model_name: str, pairs: int, image_size: int, per_sample_dropout: bool = True):
+    """The trainer's own SimCLR method (NT-Xent), its optimizer and a random batch."""
+    masks = "per-sample" if per_sample_dropout else "per-process"
+    config = TrainConfig(model=model_name, image_size=image_size, dropout_masks=masks)
     torch.manual_seed(0)
-    dropout = 0.1 if model_name.startswith("vit") else 0.0
-    model = SimCLR(model_name, image_size=image_size, dropout=dropout)
-    if per_sample_dropout:
-        model = convert_sample_dropout(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    method = SimCLRMethod(config.resolved(), load_image_dataset(None), 1, say=lambda _: None)
+    optimizer = torch.optim.SGD(method.model.parameters(), lr=0.01, momentum=0.9)
     views = torch.randn(2, pairs, 3, image_size, image_size)
-    return model, optimizer, (views[0], views[1], torch.arange(pairs))
+    return method, optimizer, TwoViewBatch(views[0], views[1], torch.arange(pairs), [])
 
 
-def _step(model, optimizer, batch, chunks: int, method: str, step: int) -> None:
-    """One step through the trainer's own chunk embedding and loss assembly."""
-    pieces = list(zip(*(part.tensor_split(chunks) for part in batch), strict=True))
-    embed = partial(trainer._embed, model, 0, step, torch.device("cpu"), torch.float32)
-    if method == "cached":
-        loss_of = partial(trainer._global_loss, CRITERION, model, None, batch[2])
-        cached_backward(model, pieces, loss_of, forward=embed)
+def _step(method, optimizer, batch, chunks: int, kind: str, step: int) -> None:
+    """One step through the method's own chunk embedding and loss assembly."""
+    embed = partial(method.embed, method.model, step=step)
+    if kind == "cached":
+        loss_of = partial(method.loss, batch=batch)
+        cached_backward(method.model, batch.split(chunks), loss_of, forward=embed)
     else:  # plain accumulation: each chunk's loss with its own negatives
-        for piece in pieces:
-            loss_of = partial(trainer._global_loss, CRITERION, model, None, piece[2])
-            (loss_of([embed(piece)]) / chunks).backward()
+        for piece in batch.split(chunks):
+            (method.loss([embed(piece)], piece) / chunks).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def _measure_here(model_name: str, pairs: int, image_size: int, chunks: int, method: str, steps):
-    model, optimizer, batch = _setup(model_name, pairs, image_size)
+    trained, optimizer, batch = _setup(model_name, pairs, image_size)
     baseline = memory_status_bytes("VmRSS")
     seconds = []
     for step in range(steps + 1):  # the first is a warm-up
         started = time.perf_counter()
-        _step(model, optimizer, batch, chunks, method, step)
+        _step(trained, optimizer, batch, chunks, method, step)
         seconds.append(time.perf_counter() - started)
     peak = memory_status_bytes("VmHWM")
     return {"extra_peak_bytes": max(0, peak - baseline), "seconds": statistics.median(seconds[1:])}
@@ -87,9 +83,9 @@ def dropout_cost(pairs: int, image_size: int, repeats: int) -> dict:
     }
     seconds: dict[str, list[float]] = {name: [] for name in setups}
     for step in range(repeats + 1):
-        for name, (model, optimizer, batch) in setups.items():
+        for name, (trained, optimizer, batch) in setups.items():
             started = time.perf_counter()
-            _step(model, optimizer, batch, 1, "cached", step)
+            _step(trained, optimizer, batch, 1, "cached", step)
             if step:  # the first round warms up
                 seconds[name].append(time.perf_counter() - started)
     median = {name: statistics.median(values) for name, values in seconds.items()}

@@ -88,7 +88,7 @@ def table_lines(results: dict) -> list[str]:
         f"kNN evaluation, 1 process, mlp encoder, {results['image_size']} px synthetic "
         "images, bank = queries (extra peak memory; time; accuracy)",
         "",
-        "| eval images | whole (decoded into one tensor, as before) | streamed (knn_top1) |",
+        "| eval images | whole (decoded into one tensor) | streamed (knn_top1) |",
         "|---|---|---|",
     ]
     for row in results["rows"]:

@@ -28,8 +28,9 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     the ViT's and the mlp's ``nn.Dropout`` layers (attention dropout stays 0: see
     ``models.dropout``). ``logit_scale``
     and ``logit_bias`` add learnable parameters initialised to these values for the
-    CLIP-style losses (InfoNCE, SigLIP). For images of at
-    most ``small_image_max_size`` pixels the ResNet stem is the CIFAR one
+    CLIP-style losses (InfoNCE, SigLIP): ``log_logit_scale``, the log of the scale, as
+    CLIP learns it (pass ``log_logit_scale.exp()`` to the loss), and ``logit_bias``. For
+    images of at most ``small_image_max_size`` pixels the ResNet stem is the CIFAR one
     (3x3 stride-1 conv, no max-pool), as in the SimCLR paper's CIFAR-10 runs.
 
     Example::
@@ -107,11 +108,6 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         self.projection_head = _head(
             feature_dim, projection_hidden_dim, projection_dim, projection_layers, batch_norm=True
         )
-
-    @property
-    def logit_scale(self) -> torch.Tensor | None:
-        """``exp`` of the learnable log-scale (CLIP's inverse temperature), or None."""
-        return None if self.log_logit_scale is None else self.log_logit_scale.exp()
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""

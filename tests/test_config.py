@@ -48,6 +48,23 @@ def test_every_field_has_a_flag_and_a_help_line():
     for field in FIELDS:
         assert flag(field.name) in text, field.name
         assert field.metadata["help"], f"{field.name} has no help text"
+        # One short line each: the reasons behind an option belong to the README.
+        assert len(field.metadata["help"]) <= 80, f"{field.name}: help longer than one line"
+
+
+def test_derived_defaults_are_resolved_in_one_place():
+    """Every option left at None for a derived default gets it from ``resolved()``; the
+    rest stay None (no default to derive: they mean "none")."""
+    meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
+                    "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
+                    "collective_timeout"}  # fmt: skip
+    for loss in ("ntxent", "infonce", "siglip", "vicreg"):
+        resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
+        left = {name for name, value in resolved.items() if value is None} - meaning_none
+        expected = set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
+        assert left == expected, (loss, left)
+    assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
+    assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=[field.name for field in FIELDS])

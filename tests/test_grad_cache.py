@@ -17,11 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import trainer
+from contrastive_accelerate.data import TwoViewBatch, load_image_dataset
 from contrastive_accelerate.grad_cache import cached_backward
+from contrastive_accelerate.methods import LOSSES, SimCLRMethod
 from contrastive_accelerate.testing import run_on_ranks
 from losses import InfoNCELoss, NTXentLoss
 from models import SimCLR, convert_sample_dropout, sample_keys, sample_randomness
+from trainer import TrainConfig
 
 EXACT = 1e-10  # float64: only the order of the per-chunk sums differs
 MISSES = 1e-6  # a control must be at least this far off (they land at 1e-3 and above)
@@ -58,7 +60,8 @@ def _loss_fn(name: str, model: SimCLR):
         if name == "ntxent":
             return criterion(out0, out1)
         # The learnable logit scale is used by the loss directly, not by the forward.
-        return criterion(F.normalize(out0, dim=1), F.normalize(out1, dim=1), model.logit_scale)
+        scale = model.log_logit_scale.exp()
+        return criterion(F.normalize(out0, dim=1), F.normalize(out1, dim=1), scale)
 
     return loss
 
@@ -227,37 +230,28 @@ def test_negative_control_without_no_sync_every_chunk_all_reduces(ddp_results):
         assert result["synchronised_backwards_per_step"] == [CHUNKS, CHUNKS]
 
 
-@pytest.mark.parametrize("loss", list(trainer.LOSSES))
-def test_every_loss_through_the_trainers_chunks(loss):
-    """The trainer's own chunk embedding and loss assembly, K = 4 against K = 1."""
-    config = trainer._with_defaults(
-        trainer.TrainConfig(loss=loss, model="mlp", dropout=0.1, temperature=0.3)
-    )
-    layers, hidden, width = trainer.LOSSES[loss]
+@pytest.fixture(scope="module")
+def digits():
+    return load_image_dataset(None)
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_every_loss_through_the_methods_chunks(loss, digits):
+    """The SimCLR method's own chunk embedding and loss assembly, K = 4 against K = 1."""
+    config = TrainConfig(loss=loss, model="mlp", dtype="float64", dropout=0.1, temperature=0.3)
     torch.manual_seed(0)
-    model = SimCLR(
-        "mlp",
-        image_size=8,
-        projection_layers=layers,
-        projection_hidden_dim=hidden,
-        projection_dim=width,
-        logit_scale=trainer._logit_scale_init(config),
-        logit_bias=config.logit_bias_init if loss == "siglip" else None,
-        dropout=0.1,
-    ).double()
-    model = convert_sample_dropout(model)
-    criterion, labels = trainer._criterion(config), torch.arange(200) % 3
-    batch = _batch()
+    method = SimCLRMethod(config.resolved(), digits, world_size=1, say=print)
+    batch = TwoViewBatch(*_batch(), [])
     gradients = {}
     for chunks in (1, CHUNKS):
-        model.zero_grad()
+        method.model.zero_grad()
         cached_backward(
-            model,
-            _chunks(batch, chunks),
-            partial(trainer._global_loss, criterion, model, labels, batch[2]),
-            forward=partial(trainer._embed, model, 0, 3, torch.device("cpu"), torch.float64),
+            method.model,
+            batch.split(chunks),
+            partial(method.loss, batch=batch),
+            forward=partial(method.embed, method.model, step=3),
         )
-        gradients[chunks] = _gradients(model)
+        gradients[chunks] = _gradients(method.model)
     error = _max_abs(gradients[CHUNKS], gradients[1])
     print(f"--loss {loss}: K={CHUNKS} vs one pass {error:.1e}")
     assert error <= EXACT

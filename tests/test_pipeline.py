@@ -58,13 +58,16 @@ USER_PROJECT = {
 }
 OURS = [
     "contrastive_accelerate.data",
-    "contrastive_accelerate.lars",
+    "contrastive_accelerate.optim",
     "contrastive_accelerate.ckpt_diff",
     "contrastive_accelerate.config",
     "contrastive_accelerate.checkpoint",
     "contrastive_accelerate.knn",
     "contrastive_accelerate.preemption",
     "contrastive_accelerate.ranks",
+    "contrastive_accelerate.collectives",
+    "contrastive_accelerate.compat",
+    "contrastive_accelerate.launch",
     "contrastive_accelerate.testing",
 ]
 
@@ -85,7 +88,7 @@ def test_user_modules_do_not_shadow_the_projects_own(tmp_path):
             module = importlib.import_module(name)
             assert module.__file__.startswith({str(REPO)!r}), (name, module.__file__)
         from contrastive_accelerate.data import GlobalBatchSampler, TwoViews, load_image_dataset
-        from contrastive_accelerate.lars import LARS
+        from contrastive_accelerate.optim import LARS
         from contrastive_accelerate.ckpt_diff import max_abs_diff
         import losses, models
         print("ours import; card names are the user's:", losses.WHOSE, models.WHOSE)

@@ -17,8 +17,8 @@ import shutil
 
 import pytest
 
-import trainer
 from contrastive_accelerate.ckpt_diff import max_abs_diff
+from contrastive_accelerate.launch import TrainerError, check_launch
 
 from launch import launch, make_image_folder, one_line_errors
 
@@ -136,7 +136,7 @@ def test_resume_mid_epoch_matches_straight_run(tmp_path, small_image_folder, num
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_default_dataset_reports_knn_before_and_after(tmp_path, num_processes):
-    """The main process evaluates (also mid-run) while the others wait for it."""
+    """Every rank evaluates its share of the kNN (also mid-run); rank 0 prints the result."""
     args = "--max-steps 2 --eval-every 1 --batch-size 16 --knn-k 5".split()
     result = launch(num_processes, *args, "--output-dir", str(tmp_path))
     assert result.stdout.count("random init") == 1, result.stdout  # printed once, by rank 0
@@ -222,8 +222,15 @@ def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypa
         num_processes, distributed_type, mixed_precision = 1, "DistributedType.NO", "no"
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(trainer.TrainerError, match="WORLD_SIZE=2 but Accelerate runs one"):
-        trainer._check_launch(trainer.TrainConfig(), SingleProcessAccelerator(), True)
+    with pytest.raises(TrainerError, match="WORLD_SIZE=2 but Accelerate runs one"):
+        check_launch(
+            SingleProcessAccelerator(),
+            True,
+            batch_size=128,
+            dtype="float32",
+            report_to="none",
+            collective_timeout=None,
+        )
 
 
 def test_resume_on_a_different_number_of_processes(tmp_path):
