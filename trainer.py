@@ -33,13 +33,14 @@ from contrastive_accelerate.data import (
     workers_stopped_on_exit,
 )
 from contrastive_accelerate.grad_cache import cached_backward
-from contrastive_accelerate.knn import KnnData, knn_data, knn_top1
+from contrastive_accelerate.knn import KnnData, RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import (
     TrainerError,
     check_launch,
     make_accelerator,
     one_line_errors,
 )
+from contrastive_accelerate.linear_probe import linear_probe_top1
 from contrastive_accelerate.methods import DTYPES, LOSSES, SimCLRMethod
 from contrastive_accelerate.optim import OPTIMIZERS, make_optimizer, warmup_cosine
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
@@ -147,6 +148,7 @@ class TrainConfig:
         0, "steps between kNN evaluations; 0: at start and end", resume="free", at_least=0
     )
     knn_k: int = option(20, "kNN neighbours; 0: no evaluation", resume="free", at_least=0)
+    linear_probe: bool = option(True, "a linear probe too, at the end", resume="free")
     log_every: int = option(10, "steps between logged losses", resume="free", at_least=1)
     report_to: str = option(
         "none", "trackers besides metrics.jsonl", resume="free", choices=REPORT_TO
@@ -383,6 +385,7 @@ def _train(
         return TrainResult(unwrapped, metrics, step, None, last_checkpoint, preempted)
     if knn is not None:
         metrics["knn_top1"] = _evaluate(accelerator, model, knn, config.knn_k, run, step)
+        metrics |= _baselines_and_probe(accelerator, model, knn, config, run, step)
     final = on_main_process(run.save_final, unwrapped, errors=(CheckpointError,))
     if accelerator.is_main_process:
         print(_summary(metrics, config.knn_k, final, knn), flush=True)
@@ -463,15 +466,37 @@ def _evaluate(accelerator, model, knn: KnnData, k: int, run: RunDirectory, step:
     return accuracy
 
 
+def _baselines_and_probe(accelerator, model, knn: KnnData, config, run, step: int) -> dict:
+    """What the trained encoder's figures mean: kNN on raw pixels of the same held-out
+    images, and with ``--linear-probe`` the probe of the encoder's and of raw features."""
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()
+    results = {"raw_pixels_knn_top1": knn_top1(RawPixels(), knn, k=config.knn_k)}
+    if config.linear_probe:
+        results["linear_probe_top1"] = linear_probe_top1(unwrapped, knn)
+        results["raw_pixels_linear_probe_top1"] = linear_probe_top1(RawPixels(), knn)
+    unwrapped.train()
+    accelerator.log(results, step=step)
+    if accelerator.is_main_process:
+        run.log({"step": step, **results})
+    return results
+
+
 def _summary(metrics: dict[str, float], k: int, final: str, knn: KnnData | None) -> str:
+    """The final figures, each next to its raw-pixel baseline on the same held-out images."""
     lines = [f"final model: {final}"]
     if "loss" in metrics:
         lines.append(f"final loss: {metrics['loss']:.4f}")
     if knn is not None:
-        line = f"kNN top-1 (k={k}, {len(knn.query_labels)} held-out images):"
+        held_out = f"{len(knn.query_labels)} held-out images"
+        line = f"kNN top-1 (k={k}, {held_out}): raw pixels {metrics['raw_pixels_knn_top1']:.1%},"
         if "knn_top1_init" in metrics:
             line += f" random init {metrics['knn_top1_init']:.1%} ->"
         lines.append(f"{line} trained {metrics['knn_top1']:.1%}")
+    if "linear_probe_top1" in metrics:
+        raw, trained = metrics["raw_pixels_linear_probe_top1"], metrics["linear_probe_top1"]
+        probe = f"linear probe top-1 ({held_out}): raw pixels {raw:.1%}"
+        lines.append(f"{probe}, trained {trained:.1%}")
     return "\n".join(lines)
 
 

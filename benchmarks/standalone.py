@@ -20,12 +20,17 @@ def main(
     parser.add_argument("--output", default="benchmarks/results.json")
     args = parser.parse_args()
     results = run(args.quick)
+    merge(args.output, name, results)
+    print("\n".join(table_lines(results)))
+
+
+def merge(path: str, name: str, results: dict) -> None:
+    """``results`` as the entry ``name`` of the results file, the other entries kept."""
     try:
-        with open(args.output) as file:
+        with open(path) as file:
             everything = json.load(file)
     except (OSError, ValueError):  # none yet, or unreadable: start a new one
         everything = {}
     everything[name] = results
-    with open(args.output, "w") as file:
+    with open(path, "w") as file:
         json.dump(everything, file, indent=2)
-    print("\n".join(table_lines(results)))

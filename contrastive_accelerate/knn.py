@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from contrastive_accelerate.collectives import all_gather_rows, rank_and_world_size
 from contrastive_accelerate.data import DataError, UnreadableImage, evaluation_images
@@ -98,7 +99,7 @@ def knn_top1(
 def knn_features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: int):
     """This rank's share of ``dataset``: normalised float32 features and their labels,
     ``batch_size`` images at a time."""
-    parameter = next(model.parameters())
+    device, dtype = _placement(model)
     rank, world_size = rank_and_world_size()
     share = torch.arange(len(dataset)).tensor_split(world_size)[rank]
     # Every rank runs the same number of batches (some empty): each exchanges its news.
@@ -117,15 +118,33 @@ def knn_features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size
             )
         except UnreadableImage as unreadable:
             problem = unreadable
-        (failed,) = any_rank(parameter.device, problem is not None)
+        (failed,) = any_rank(device, problem is not None)
         if failed:
             raise_together(problem)
         if kept:
-            embedded = model.embed(images.to(parameter.device, parameter.dtype))
+            embedded = model.embed(images.to(device, dtype))
             features.append(F.normalize(embedded.float(), dim=1))
             kept_labels.append(labels[kept])
     if not features:  # an empty share still gives its (0, width) part to the gather
         empty = torch.zeros(0, 3, data.image_size, data.image_size)
-        features.append(model.embed(empty.to(parameter.device, parameter.dtype)).float())
+        features.append(model.embed(empty.to(device, dtype)).float())
         kept_labels.append(labels[:0])
-    return torch.cat(features), torch.cat(kept_labels).to(parameter.device)
+    return torch.cat(features), torch.cat(kept_labels).to(device)
+
+
+def _placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where the model's images go: its parameters' device and dtype (CPU float32 without)."""
+    parameter = next(model.parameters(), None)
+    return (
+        (torch.device("cpu"), torch.float32)
+        if parameter is None
+        else (parameter.device, parameter.dtype)
+    )
+
+
+class RawPixels(nn.Module):
+    """The identity encoder: each image's pixels as its features, the baseline that a
+    trained encoder's features must beat on the same held-out images."""
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return images.flatten(1)
