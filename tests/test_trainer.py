@@ -13,11 +13,14 @@ handful of entries, everything else ~1e-7). In float64 AdamW meets 1e-10.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
+from contrastive_accelerate.data import load_image_dataset
+from contrastive_accelerate.knn import RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import TrainerError, check_launch
 
 from launch import launch, make_image_folder, one_line_errors
@@ -134,11 +137,41 @@ def test_resume_mid_epoch_matches_straight_run(tmp_path, small_image_folder, num
     assert (straight / "checkpoint-8" / "trainer_state.json").exists()
 
 
+SUMMARY = re.compile(
+    r"kNN top-1 \(k=5, (\d+) held-out images\): raw pixels (\d+\.\d)%, "
+    r"random init (\d+\.\d)% -> trained (\d+\.\d)%\n"
+    r"linear probe top-1 \((\d+) held-out images\): raw pixels (\d+\.\d)%, trained (\d+\.\d)%"
+)
+
+
+def _raw_pixel_knn(train, held_out) -> str:
+    """kNN on raw pixels with the trainer's k, as the summary prints it."""
+    data = knn_data(train, held_out, "image", "label", 8, False)
+    return f"{knn_top1(RawPixels(), data, k=5):.1%}"
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    """The summary of a short default-dataset run on 1 and 2 processes."""
+    cache = {}
+
+    def get(num_processes: int):
+        if num_processes not in cache:
+            output = tmp_path_factory.mktemp("summary")
+            args = "--max-steps 2 --eval-every 1 --batch-size 16 --knn-k 5".split()
+            cache[num_processes] = (
+                launch(num_processes, *args, "--output-dir", str(output)),
+                output,
+            )
+        return cache[num_processes]
+
+    return get
+
+
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_default_dataset_reports_knn_before_and_after(tmp_path, num_processes):
+def test_default_dataset_reports_knn_before_and_after(summaries, num_processes):
     """Every rank evaluates its share of the kNN (also mid-run); rank 0 prints the result."""
-    args = "--max-steps 2 --eval-every 1 --batch-size 16 --knn-k 5".split()
-    result = launch(num_processes, *args, "--output-dir", str(tmp_path))
+    result, tmp_path = summaries(num_processes)
     assert result.stdout.count("random init") == 1, result.stdout  # printed once, by rank 0
     assert "trained" in result.stdout
     assert (tmp_path / "final" / "model.safetensors").exists()
@@ -146,6 +179,22 @@ def test_default_dataset_reports_knn_before_and_after(tmp_path, num_processes):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("loss" in record for record in records)
     assert any("knn_top1" in record for record in records)
+
+
+def test_summary_states_the_raw_pixel_baseline_of_the_same_held_out_images(summaries):
+    """The printed raw-pixel figure is kNN on the pixels of the images the encoder was scored
+    on. Its control: the same count of other held-out digits gives another figure."""
+    result, _ = summaries(1)
+    match = SUMMARY.search(result.stdout)
+    assert match, result.stdout
+    held_out, raw_pixels = int(match.group(1)), match.group(2) + "%"
+    assert int(match.group(5)) == held_out
+    data = load_image_dataset(None)
+    assert len(data.evaluation) == held_out
+    assert raw_pixels == _raw_pixel_knn(data.train, data.evaluation)
+    every = load_image_dataset(None, evaluate=False).train
+    other = every.train_test_split(test_size=held_out, seed=1)  # another split, same size
+    assert raw_pixels != _raw_pixel_knn(other["train"], other["test"])
 
 
 def test_bad_input_unknown_dataset_path(tmp_path):
