@@ -2,8 +2,9 @@
 
     ckpt-diff runs/a/final runs/b/final --atol 1e-5
 
-Each side is a ``.safetensors`` file or a directory holding ``model.safetensors``
-(a ``final/`` model or an Accelerate ``checkpoint-<step>/``). Prints the max
+Each side is a ``.safetensors`` file, a state dict saved by ``torch.save`` (``.pt``,
+``.pth``, ``.bin``: read with ``weights_only=True``), or a directory holding
+``model.safetensors`` (a ``final/`` model or a ``checkpoint-<step>/``). Prints the max
 absolute and relative difference of every tensor, names tensors missing on one
 side or with different shapes. Exit codes: 0 within tolerance, 1 over tolerance or
 different tensor sets, 2 unreadable input (one ``error:`` line).
@@ -20,6 +21,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+#: Weights files read, in the order a directory's ``model.<suffix>`` is looked for.
+WEIGHTS_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+
 
 @dataclass
 class TensorDiff:
@@ -30,16 +34,33 @@ class TensorDiff:
 
 
 def load_tensors(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file (never a pickle: reading runs no code)."""
+    """The tensors of a safetensors file, or of a state dict saved by ``torch.save`` (read
+    with ``weights_only=True``, which unpickles tensors and plain containers only)."""
     if os.path.isdir(path):
-        path = os.path.join(path, "model.safetensors")
+        candidates = [os.path.join(path, f"model{suffix}") for suffix in WEIGHTS_SUFFIXES]
+        path = next((candidate for candidate in candidates if os.path.isfile(candidate)), path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no safetensors file at {path!r}")
+    if not path.endswith(".safetensors"):
+        return _load_state_dict(path)
     try:
         return load_file(path)
     except (OSError, SafetensorError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else "unreadable"
         raise ValueError(f"{path!r} is not a readable safetensors file: {reason}") from None
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - pickle raises many types; the user needs one line
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "unreadable"
+        raise ValueError(f"{path!r} is not a readable state dict: {reason}") from None
+    tensors = state if isinstance(state, dict) else {}
+    tensors = {name: value for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+    if not tensors:
+        raise ValueError(f"{path!r} holds no state dict of tensors")
+    return tensors
 
 
 def compare(path_a: str, path_b: str) -> list[TensorDiff]:

@@ -1,15 +1,57 @@
-"""Run a function on W local processes joined in a gloo group, with timeouts (tests, benchmarks)."""
+"""Check your own code: one process's result on N processes, for losses and training scripts.
+
+A loss is *exact on W processes* when, with the global batch split over W ranks (evenly,
+unevenly, one rank empty), the mean of the per-rank values is the single-process loss
+and DDP's gradient average is the single-process gradient: every input row's gradient
+divided by W on the rank that holds it, and every parameter's gradient averaged over
+ranks. ``assert_loss_invariant`` checks exactly that on real gloo processes::
+
+    from functools import partial
+    from contrastive_accelerate.testing import assert_loss_invariant
+
+    def make_inputs():
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+
+    def test_my_loss_is_exact():
+        assert_loss_invariant(partial(MyLoss, temperature=0.1), make_inputs)
+
+``make_loss`` and ``make_inputs`` must be importable (module-level functions or
+``functools.partial`` of them): they are called in every worker. Tensors whose first
+dimension is the global batch size (that of the first tensor) are split by rows with
+the embeddings (labels, further views, hard negatives); everything else goes whole to
+every rank. ``assert_training_invariant`` runs a training script under ``accelerate
+launch`` on 1 and N CPU processes and diffs the final checkpoints; the console script
+``invariance-check`` does the same without pytest.
+
+What the checks cannot see: randomness (dropout, augmentation: feed none, or key it by
+sample), state kept across steps (queues, centers, EMA teachers: one call is one step),
+and anything the check does not feed (a model's BatchNorm when you check a loss alone).
+"""
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import math
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from contrastive_accelerate.ckpt_diff import WEIGHTS_SUFFIXES
 
 # Generous for a loaded 2-core CI machine, still far below CI's budget: a hung
 # collective fails the test instead of the run.
@@ -24,41 +66,82 @@ def free_port() -> int:
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Return ``[fn(rank, world_size, *args) for rank in ranks]`` computed in a gloo group.
+    """Return ``[fn(rank, world_size, *args) for rank in ranks]`` computed in a gloo group
+    of fresh processes.
 
     ``fn`` must be importable (module level) and return picklable values; tensors
     should be converted to numpy or lists. A failure on any rank raises here with
     that rank's traceback; a hang raises after ``JOIN_TIMEOUT_S``.
     """
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_worker, args=(fn, rank, world_size, port, results, args))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    by_rank: dict[int, Any] = {}
+    group = _Group(world_size, COLLECTIVE_TIMEOUT_S)
     try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=JOIN_TIMEOUT_S)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            by_rank[rank] = value
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(by_rank))
-        raise TimeoutError(f"no result from ranks {missing} in {JOIN_TIMEOUT_S} s") from None
+        return group.run(fn, args, JOIN_TIMEOUT_S)
     finally:
-        for process in processes:
+        group.close()
+
+
+_FAILURE_GRACE_S = 5.0
+_TRANSPORT = re.compile(r"gloo|Connection (reset|closed)|pair\.cc|Timed out", re.I)
+
+
+class _Group:
+    """W worker processes joined in a gloo group, serving calls until closed."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float) -> None:
+        context = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        port = free_port()
+        self.processes = [
+            context.Process(
+                target=_serve,
+                args=(rank, world_size, port, collective_timeout_s, self.tasks[rank], self.results),
+            )
+            for rank in range(world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+        for tasks in self.tasks:
+            tasks.put((fn, args))
+        by_rank: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(by_rank) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                if failures:
+                    break  # the others wait in a collective for the rank that failed
+                missing = sorted(set(range(self.world_size)) - set(by_rank))
+                raise TimeoutError(f"no result from ranks {missing} in {timeout_s:g} s") from None
+            if ok:
+                by_rank[rank] = value
+            else:
+                failures[rank] = value
+                # A peer's own error follows within moments; a stuck one never comes.
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+        if failures:
+            # The rank whose own code failed, rather than one that lost its peer.
+            rank = min(failures, key=lambda r: (_TRANSPORT.search(failures[r]) is not None, r))
+            raise RuntimeError(f"rank {rank} failed:\n{failures[rank]}")
+        return [by_rank[rank] for rank in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
+
+    def close(self) -> None:
+        for tasks in self.tasks:
+            tasks.put(None)
+        for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-    return [by_rank[rank] for rank in range(world_size)]
 
 
-def _worker(fn, rank, world_size, port, results, args):
-    import torch
+def _serve(rank, world_size, port, collective_timeout_s, tasks, results) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -69,11 +152,414 @@ def _worker(fn, rank, world_size, port, results, args):
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
-        results.put((rank, True, fn(rank, world_size, *args)))
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                results.put((rank, True, fn(rank, world_size, *args)))
+            except BaseException:
+                results.put((rank, False, traceback.format_exc()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# One group per world size for a whole test session: a check costs its computation,
+# not W process starts and a rendezvous. A group that failed or hung is replaced.
+_GROUPS: dict[tuple[int, float], _Group] = {}
+
+
+def _shared_group(world_size: int, timeout_s: float) -> _Group:
+    key = (world_size, timeout_s)
+    group = _GROUPS.get(key)
+    if group is None or not group.alive():
+        group = _GROUPS[key] = _Group(world_size, timeout_s)
+    return group
+
+
+def _discard_group(world_size: int, timeout_s: float) -> None:
+    group = _GROUPS.pop((world_size, timeout_s), None)
+    if group is not None:
+        for process in group.processes:
+            process.kill()
+
+
+@atexit.register
+def _close_groups() -> None:
+    for group in _GROUPS.values():
+        group.close()
+    _GROUPS.clear()
+
+
+@dataclass
+class SplitFigures:
+    """The check of one split: the worst difference of each compared tensor."""
+
+    sizes: list[int]
+    errors: dict[str, float]  # "value", "input 0", "parameter temperature", ...
+    own_loss_only: bool = False  # every rank's rows received only its own loss's gradient
+    times_w: dict[str, float] = field(default_factory=dict)  # the input errors after x W
+    raised: str | None = None  # what a rank raised, when the loss did not run to its end
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        if self.raised is not None:
+            return "the loss raised", math.inf
+        return max(self.errors.items(), key=lambda item: item[1])
+
+
+@dataclass
+class InvarianceReport:
+    """What ``assert_loss_invariant`` measured: every split it ran, and its tolerance."""
+
+    atol: float
+    splits: list[SplitFigures] = field(default_factory=list)
+
+    @property
+    def worst(self) -> float:
+        return max((split.worst[1] for split in self.splits), default=0.0)
+
+
+def default_splits(total: int, world_size: int) -> list[list[int]]:
+    """Even, uneven and with an empty last rank: how ``total`` rows meet ``world_size`` ranks."""
+    even = [len(part) for part in torch.arange(total).tensor_split(world_size)]
+    uneven = list(even)
+    if uneven[-1] > 0:
+        uneven[0], uneven[-1] = uneven[0] + 1, uneven[-1] - 1
+    empty = [len(part) for part in torch.arange(total).tensor_split(world_size - 1)] + [0]
+    return [even, uneven, empty]
+
+
+def assert_loss_invariant(
+    make_loss: Callable[[], Callable[..., torch.Tensor]],
+    make_inputs: Callable[[], Sequence[Any]],
+    world_sizes: Sequence[int] = (2, 3),
+    splits: dict[int, list[list[int]]] | None = None,
+    dtype: torch.dtype = torch.float64,
+    atol: float = 1e-10,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> InvarianceReport:
+    """Assert that ``make_loss()(*make_inputs())`` is exact on every world size and split.
+
+    Compares, against one process on the whole batch (in this process): the mean of the
+    per-rank values, every floating input's gradient (divided by W, as DDP's average
+    sees it) and every parameter's gradient of the loss module (a learnable
+    temperature), after an asymmetric upstream (rank r's rows are scaled by 1 + r/4,
+    so that gradients sent to the wrong rank cannot cancel). ``splits``: per world
+    size, the per-rank row counts (default: ``default_splits``). ``dtype``: floating
+    inputs are cast to it; float64 leaves only summation order between the runs, so
+    ``atol`` 1e-10 is generous. A collective that waits longer than ``timeout_s`` fails
+    the check instead of hanging it.
+
+    Raises ``AssertionError`` naming the worst tensor, its difference and the split,
+    with a diagnosis where the pattern is known; returns the figures otherwise.
+    """
+    inputs = make_inputs()
+    total = _global_rows(inputs)
+    report = InvarianceReport(atol)
+    for world_size in world_sizes:
+        for sizes in (splits or {}).get(world_size) or default_splits(total, world_size):
+            if sum(sizes) != total or len(sizes) != world_size:
+                raise ValueError(f"split {sizes} does not give {total} rows to {world_size} ranks")
+            reference = _evaluate(make_loss, make_inputs, dtype, sizes, None)
+            group = _shared_group(world_size, timeout_s)
+            try:
+                per_rank = group.run(
+                    _check_on_rank, (make_loss, make_inputs, dtype, sizes), timeout_s + 30
+                )
+            except TimeoutError as error:
+                _discard_group(world_size, timeout_s)
+                raise AssertionError(
+                    f"rows {sizes}: the loss did not finish within {timeout_s:g} s on "
+                    f"{world_size} processes ({error}): a collective is waiting for a rank "
+                    "that never joins it"
+                ) from None
+            except RuntimeError as error:  # a rank raised; the group may be stuck: replace it
+                _discard_group(world_size, timeout_s)
+                report.splits.append(SplitFigures(list(sizes), {}, raised=_last_line(error)))
+                continue
+            report.splits.append(_compare(reference, per_rank, sizes))
+    failing = [split for split in report.splits if not split.worst[1] <= atol]
+    if failing:
+        raise AssertionError(_failure_message(report, failing))
+    return report
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(error).__name__
+
+
+def _global_rows(inputs: Sequence[Any]) -> int:
+    tensors = [value for value in _values(inputs) if isinstance(value, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("make_inputs must return the global batch: a tensor of rows first")
+    return tensors[0].shape[0]
+
+
+def _values(inputs) -> list[Any]:
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def _evaluate(make_loss, make_inputs, dtype, sizes: list[int], rank: int | None) -> dict:
+    """The loss on one rank's rows (``rank``) or on all of them (None), and its gradients."""
+    torch.manual_seed(0)  # the same loss parameters everywhere
+    loss_fn = make_loss()
+    inputs = make_inputs()
+    names = list(inputs) if isinstance(inputs, dict) else list(range(len(inputs)))
+    values = _values(inputs)
+    total = _global_rows(inputs)
+    rows = slice(0, total) if rank is None else slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    owner_scale = torch.cat(
+        [torch.full((size,), 1 + owner / 4, dtype=dtype) for owner, size in enumerate(sizes)]
+    )
+    leaves, local = {}, []
+    for name, value in zip(names, values, strict=True):
+        is_rows = isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == total
+        if is_rows and value.is_floating_point():
+            leaf = value.to(dtype)[rows].clone().requires_grad_()
+            leaves[name] = leaf
+            scale = owner_scale[rows].view(-1, *([1] * (value.dim() - 1)))
+            value = leaf * scale
+        elif is_rows:
+            value = value[rows]
+        local.append(value)
+    if isinstance(loss_fn, torch.nn.Module):
+        loss_fn = loss_fn.to(dtype)
+    call = dict(zip(names, local, strict=True)) if isinstance(inputs, dict) else None
+    loss = loss_fn(**call) if call is not None else loss_fn(*local)
+    parameters = dict(loss_fn.named_parameters()) if isinstance(loss_fn, torch.nn.Module) else {}
+    targets = [*leaves.values(), *parameters.values()]
+    grads = torch.autograd.grad(loss, targets, allow_unused=True) if loss.requires_grad else []
+    grads = list(grads) or [None] * len(targets)
+    grads = [
+        torch.zeros_like(t) if g is None else g.detach()
+        for t, g in zip(targets, grads, strict=True)
+    ]
+    input_grads, parameter_grads = grads[: len(leaves)], grads[len(leaves) :]
+    return {
+        "value": loss.detach().to(torch.float64),
+        "inputs": {f"input {n}": g for n, g in zip(leaves, input_grads, strict=True)},
+        "parameters": {
+            f"parameter {n}": g for n, g in zip(parameters, parameter_grads, strict=True)
+        },
+    }
+
+
+def _check_on_rank(rank: int, world_size: int, make_loss, make_inputs, dtype, sizes) -> dict:
+    """One rank's share of the check: what DDP would see, and whether this rank's rows got
+    only its own loss's gradient (the loss of every rank scaled by 1 + rank: for an exact
+    loss the rows' gradient mixes the scales; for an own-loss-only one it is c_r times it)."""
+    import torch.distributed as dist
+
+    result = _evaluate(make_loss, make_inputs, dtype, sizes, rank)
+    value = result["value"].clone()
+    dist.all_reduce(value)
+    parameters = {}
+    for name, grad in result["parameters"].items():
+        grad = grad.clone()
+        dist.all_reduce(grad)  # what DDP does with a parameter's gradient, then / W
+        parameters[name] = (grad / world_size).tolist()
+
+    def scaled_make_loss():
+        loss_fn = make_loss()
+        return lambda *a, **k: (1 + rank) * loss_fn(*a, **k)
+
+    scaled = _evaluate(scaled_make_loss, make_inputs, dtype, sizes, rank)
+    own = all(
+        torch.allclose(scaled["inputs"][name], (1 + rank) * grad, rtol=1e-9, atol=1e-12)
+        for name, grad in result["inputs"].items()
+    )
+    own_everywhere = torch.tensor([int(own)])
+    dist.all_reduce(own_everywhere, op=dist.ReduceOp.MIN)
+    return {
+        "value": (value / world_size).item(),
+        "inputs": {name: (grad / world_size).tolist() for name, grad in result["inputs"].items()},
+        "parameters": parameters,
+        "own_loss_only": bool(own_everywhere.item()),
+    }
+
+
+def _compare(reference: dict, per_rank: list[dict], sizes: list[int]) -> SplitFigures:
+    errors = {"value": abs(per_rank[0]["value"] - reference["value"].item())}
+    for name, grad in reference["inputs"].items():
+        distributed = torch.cat([torch.tensor(rank["inputs"][name], dtype=grad.dtype).view(
+            -1, *grad.shape[1:]) for rank in per_rank])  # fmt: skip
+        errors[name] = _max_abs(distributed, grad)
+        errors[f"{name} (x W)"] = _max_abs(distributed * len(sizes), grad)
+    for name, grad in reference["parameters"].items():
+        distributed = torch.tensor(per_rank[0]["parameters"][name], dtype=grad.dtype)
+        errors[name] = _max_abs(distributed.view_as(grad), grad)
+    figures = {name: error for name, error in errors.items() if not name.endswith("(x W)")}
+    times_w = {name: error for name, error in errors.items() if name.endswith("(x W)")}
+    return SplitFigures(list(sizes), figures, per_rank[0]["own_loss_only"], times_w)
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _failure_message(report: InvarianceReport, failing: list[SplitFigures]) -> str:
+    worst_split = max(failing, key=lambda split: split.worst[1])
+    name, error = worst_split.worst
+    processes = f"not exact on {len(worst_split.sizes)} processes"
+    if worst_split.raised is not None:
+        lines = [f"{processes}: with per-rank rows {worst_split.sizes} a rank raised: "
+                 f"{worst_split.raised}"]  # fmt: skip
+    else:
+        lines = [f"{processes}: {name} differs by {error:.3e} (atol {report.atol:g}) with "
+                 f"per-rank rows {worst_split.sizes}"]  # fmt: skip
+    diagnosis = diagnose(report)
+    if diagnosis:
+        lines.append(f"diagnosis: {diagnosis}")
+    for split in report.splits:
+        worst = (
+            f"raised: {split.raised}"
+            if split.raised
+            else f"worst {split.worst[0]} " + (f"{split.worst[1]:.3e}")
+        )
+        lines.append(f"  rows {split.sizes}: {worst}")
+    return "\n".join(lines)
+
+
+def diagnose(report: InvarianceReport) -> str | None:
+    """The known patterns behind a failed check, if they are known ones."""
+    bad = [split for split in report.splits if not split.worst[1] <= report.atol]
+    raised = [split for split in bad if split.raised is not None]
+    numeric = [split for split in bad if split.raised is None]
+    found = []
+    if raised and all(len(set(split.sizes)) > 1 for split in raised):
+        found.append(
+            "it raises when the ranks hold different numbers of rows: a collective that needs "
+            "equal sizes (dist.all_gather, torch.distributed.nn.all_gather)"
+        )
+    elif raised:
+        found.append("it raises on a rank (see the rows below)")
+    if numeric:
+        found.append(_numeric_diagnosis(report, numeric))
+    found = [text for text in found if text]
+    return "; and ".join(found) or None
+
+
+def _numeric_diagnosis(report: InvarianceReport, bad: list[SplitFigures]) -> str | None:
+    ran = [split for split in report.splits if split.raised is None]
+    even = [split for split in ran if len(set(split.sizes)) == 1]
+    if even and all(split.worst[1] <= report.atol for split in even):
+        return (
+            "correct on even splits, wrong on uneven ones: offsets computed as rank * n "
+            "(positives at arange(n) + rank * n, or a mean per rank) assume equal batches"
+        )
+    inputs_only = all(split.errors["value"] <= report.atol for split in bad)
+    times_w = all(
+        all(error <= max(report.atol, 1e-9) for error in split.times_w.values()) for split in bad
+    )
+    if inputs_only and times_w:
+        return (
+            "every gradient is the true one times 1/W: an all-reduce (or gather) without "
+            "gradient, so each rank's rows receive only their own rank's copy of the loss"
+        )
+    # Observable only where two ranks hold rows: one rank alone has no one else's loss.
+    mixed = [split for split in bad if sum(map(bool, split.sizes)) >= 2]
+    if inputs_only and mixed and all(split.own_loss_only for split in bad):
+        return (
+            "each rank's rows receive only the gradient of that rank's own loss: a gather "
+            "whose backward returns the local slice (the classic GatherLayer) or drops the "
+            "gradient (Accelerator.gather, dist.all_gather)"
+        )
+    if not inputs_only:
+        return (
+            "the loss value itself differs from one process's: it is computed from per-rank "
+            "statistics or negatives (a per-rank softmax, mean or standardisation), not from "
+            "the global batch"
+        )
+    return None
+
+
+def assert_training_invariant(
+    command: Sequence[str],
+    world_sizes: Sequence[int] = (1, 2),
+    output_arg: str = "--output-dir",
+    atol: float = 1e-6,
+    timeout_s: float = 900,
+) -> dict[int, float]:
+    """Assert that ``accelerate launch COMMAND`` trains the same model on every world size.
+
+    ``command`` is the script and its arguments; each launch gets ``output_arg DIR`` of
+    its own, on CPU processes. The final checkpoint of each is ``DIR/final`` if there is
+    one, else the newest weights file under ``DIR`` (safetensors, or a state dict read
+    with ``torch.load(weights_only=True)``, which runs no code). Returns the max absolute
+    difference of each world size against the first; raises ``AssertionError`` naming
+    the worst tensor, or ``ValueError`` when a run fails or writes no checkpoint.
+    """
+    from contrastive_accelerate.ckpt_diff import compare
+
+    with tempfile.TemporaryDirectory() as root:
+        checkpoints = {}
+        for world_size in world_sizes:
+            output = Path(root, f"processes-{world_size}")
+            result = subprocess.run(
+                [*launch_command(world_size), *command, output_arg, str(output)],
+                capture_output=True, text=True, timeout=timeout_s, env=_launch_env(),
+            )  # fmt: skip
+            if result.returncode != 0:
+                tail = " ".join(result.stderr.strip().splitlines()[-3:])[-400:]
+                raise ValueError(f"{world_size} process(es): exited {result.returncode}: {tail}")
+            checkpoints[world_size] = final_checkpoint(output)
+        figures, first = {}, world_sizes[0]
+        for world_size in world_sizes[1:]:
+            diffs = compare(checkpoints[first], checkpoints[world_size])
+            problems = [f"{diff.name}: {diff.problem}" for diff in diffs if diff.problem]
+            if problems:
+                raise AssertionError(f"{first} vs {world_size} processes: {'; '.join(problems)}")
+            worst = max(diffs, key=lambda diff: diff.max_abs, default=None)
+            figures[world_size] = worst.max_abs if worst else 0.0
+            if worst and not worst.max_abs <= atol:
+                raise AssertionError(
+                    f"{first} vs {world_size} processes: tensor {worst.name!r} differs by "
+                    f"{worst.max_abs:.3e} (atol {atol:g})"
+                )
+        return figures
+
+
+def launch_command(world_size: int) -> list[str]:
+    """``accelerate launch`` on ``world_size`` CPU processes (gloo), without a config file."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    if world_size == 1:
+        return [*command, "--num_processes", "1"]
+    # --multi_gpu selects torchrun; without a GPU the processes join over gloo.
+    return [*command, "--multi_gpu", "--num_processes", str(world_size), "--main_process_port", "0"]
+
+
+def _launch_env() -> dict[str, str]:
+    return {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **os.environ}
+
+
+def final_checkpoint(output: Path) -> str:
+    """``output/final`` if it holds weights, else the newest weights file under ``output``."""
+    final = output / "final"
+    if any((final / f"model{suffix}").exists() for suffix in WEIGHTS_SUFFIXES):
+        return str(final)
+    found = [path for path in output.rglob("*") if path.suffix in WEIGHTS_SUFFIXES]
+    if not found:
+        raise ValueError(
+            f"the run wrote no checkpoint under {output} ({', '.join(WEIGHTS_SUFFIXES)})"
+        )
+    return str(max(found, key=lambda path: (path.stat().st_mtime, path.suffix == ".safetensors")))
+
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "InvarianceReport",
+    "SplitFigures",
+    "assert_loss_invariant",
+    "assert_training_invariant",
+    "default_splits",
+    "diagnose",
+    "final_checkpoint",
+    "launch_command",
+    "run_on_ranks",
+]

@@ -26,11 +26,15 @@ def test_forget_prepared_drops_only_what_was_prepared_since():
 
 
 def test_shutdown_workers_ends_persistent_workers():
+    before = set(multiprocessing.active_children())  # other tests' process groups, if any
     loader = DataLoader(range(4), batch_size=2, num_workers=1, persistent_workers=True)
     assert len(list(loader)) == 2
-    assert multiprocessing.active_children(), "the loader started no worker"
+    workers = set(multiprocessing.active_children()) - before
+    assert workers, "the loader started no worker"
     compat.shutdown_workers(loader)
-    assert not multiprocessing.active_children(), "DataLoader._iterator._shutdown_workers"
+    assert not any(worker.is_alive() for worker in workers), (
+        "DataLoader._iterator._shutdown_workers"
+    )
 
 
 def _store_worker(rank: int, world_size: int) -> int:
