@@ -137,6 +137,24 @@ def _open_clip_loss():
                                  world_size=world_size))  # fmt: skip
 
 
+class _FromEmbeddings(nn.Module):
+    """sentence-transformers' MNRL on given embeddings (anchor, positive): its model is only
+    the encoder, which the kit replaces by the inputs themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        try:
+            from sentence_transformers.sentence_transformer.losses import (
+                MultipleNegativesRankingLoss,
+            )
+        except ImportError:  # sentence-transformers < 6
+            from sentence_transformers.losses import MultipleNegativesRankingLoss
+        self.loss = MultipleNegativesRankingLoss(nn.Identity(), gather_across_devices=True)
+
+    def forward(self, anchor, positive):
+        return self.loss.compute_loss_from_embeddings([anchor, positive], None)
+
+
 def _lightly(name: str):
     from lightly.loss import BarlowTwinsLoss as LightlyBarlowTwins
     from lightly.loss import DCLWLoss as LightlyDCLW
@@ -187,6 +205,7 @@ def _even_only(world_size: int):
     [
         ("open_clip ClipLoss(local_loss=True, gather_with_grad=True)", _open_clip_loss),
         ("torch.distributed.nn.all_gather", partial(TwoViewNTXent, _torch_all_gather)),
+        ("sentence-transformers MNRL(gather_across_devices=True)", _FromEmbeddings),
     ],
 )
 def test_equal_size_gathers_are_exact_on_even_splits_and_refuse_uneven_ones(name, make_loss):
