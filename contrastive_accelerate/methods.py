@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,23 +68,6 @@ from models import (
 )
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-class Method(Protocol):
-    """The members of a method that the loop uses (see the module's docstring)."""
-
-    model: nn.Module
-    dataset: torch.utils.data.Dataset
-
-    def embed(self, model: nn.Module, chunk: Any, step: int) -> torch.Tensor: ...
-
-    def loss(self, outputs: list[torch.Tensor], batch: Any) -> torch.Tensor: ...
-
-    def after_step(self, step: int) -> None: ...
-
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -198,9 +181,9 @@ class SimCLRMethod:
 
     Example::
 
-        method = SimCLRMethod(config, load_image_dataset(), world_size=1, say=print)
-        outputs = [method.embed(method.model, chunk, step=0) for chunk in batch.split(1)]
-        loss = method.loss(outputs, batch)
+        method = SimCLRMethod(TrainConfig(model="mlp").resolved(), load_image_dataset(), 1, print)
+        batch = method.dataset.collate([method.dataset[(0, index)] for index in range(8)])
+        loss = method.loss([method.embed(method.model, batch, step=0)], batch)
     """
 
     def __init__(self, config, data: ImageData, world_size: int, say: Callable[[str], Any]):
