@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from benchmarks import grad_cache, knn, loss_family, sync_batchnorm
-from benchmarks.gather import time_gathers
+from benchmarks import gather, grad_cache, knn, loss_family, sync_batchnorm
 from benchmarks.loss import peak_memory, time_losses
 from benchmarks.throughput import augmentation_cost, loader_throughput, trainer_throughput
 
@@ -62,9 +61,7 @@ def run(quick: bool) -> dict:
         results["loss_family"] = loss_family.run(
             pairs=512 if quick else 4096, repeats=3 if quick else 5
         )
-    results["gather"] = time_gathers(
-        [256, 4096] if quick else [256, 4096, 32768], repeats=5 if quick else 9
-    )
+    results["gather"] = gather.run(quick)
     print("gather: done", flush=True)
     results["trainer"] = trainer_throughput(steps=8 if quick else 20, repeats=1 if quick else 3)
     results["augmentation"] = augmentation_cost(items=100 if quick else 1000)
@@ -149,21 +146,7 @@ def table(results: dict) -> str:
             )
     if "loss_family" in results:
         lines += ["", *loss_family.table_lines(results["loss_family"])]
-    lines += [
-        "",
-        "Gather backward, 2 gloo processes, d=128, fp32 (median)",
-        "",
-        "| rows per rank | reduce-scatter (ours) | all-reduce + slice "
-        "| torch.distributed.nn all_gather | reduce-scatter / all-reduce |",
-        "|---|---|---|---|---|",
-    ]
-    for row in results["gather"]:
-        s = row["seconds"]
-        lines.append(
-            f"| {row['rows_per_rank']} | {s['reduce_scatter'] * 1e3:.2f} ms | "
-            f"{s['all_reduce'] * 1e3:.2f} ms | {s['torch_nn_functional'] * 1e3:.2f} ms | "
-            f"{s['reduce_scatter'] / s['all_reduce']:.2f} |"
-        )
+    lines += ["", *gather.table_lines(results["gather"])]
     trainer, augmentation = results["trainer"], results["augmentation"]
     lines += [
         "",

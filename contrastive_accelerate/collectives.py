@@ -28,13 +28,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from contrastive_accelerate.compat import group_timeout
+
 # torch >= 2.10 renamed the single-tensor collectives; the old names warn there.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-#: Exact backward collectives of ``gather``: a reduce-scatter (each rank receives only its
-#: rows: 1/W of an all-reduce's traffic on NCCL), or an all-reduce followed by a slice.
-GATHER_BACKWARDS = ("reduce_scatter", "all_reduce")
+#: Exact backward collectives of ``gather``, each giving rank r the sum over ranks of the
+#: gradient of its rows: a reduce-scatter (each rank receives only its rows: 1/W of an
+#: all-reduce's traffic), an all-to-all of the row blocks summed locally (what
+#: ``torch.distributed.nn.all_gather`` does off NCCL), or an all-reduce and a slice.
+GATHER_BACKWARDS = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
+#: What ``backward="auto"`` uses on each backend, from ``python -m benchmarks.run`` (README,
+#: gather backward table); any other backend gets a reduce-scatter.
+AUTO_BACKWARD = {"nccl": "reduce_scatter", "gloo": "all_to_all"}
 
 # Trailing dimensions exchanged alongside dim-0 sizes, so that every rank can check
 # that all ranks agree on the feature shape before the payload moves.
@@ -51,6 +58,22 @@ def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, in
     if not is_distributed(group):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A group of every rank whose collectives run on the host, for control flags that
+    must not make the host wait for the device: the default group where it is gloo, else
+    a gloo group with the default group's timeout. Every rank must make the first call
+    at the same point (it creates the group)."""
+    if dist.get_backend() == "gloo":
+        return None
+    default = dist.group.WORLD
+    if _host_groups.get(id(default)) is None:
+        _host_groups[id(default)] = dist.new_group(backend="gloo", timeout=group_timeout())
+    return _host_groups[id(default)]
+
+
+_host_groups: dict[int, dist.ProcessGroup] = {}
 
 
 def all_gather_sizes(
@@ -131,14 +154,16 @@ def gather(
     group: dist.ProcessGroup | None = None,
     sizes: list[int] | None = None,
     *,
-    backward: str = "reduce_scatter",
+    backward: str = "auto",
 ) -> torch.Tensor:
     """Differentiable all-gather of ``x`` along dim 0, concatenated in rank order.
 
     forward:  ``y = cat(x_0, x_1, ..., x_{W-1})``
     backward: ``dL/dx_r = sum_k (dL_k/dy)[rows of rank r]``, where ``L_k`` is the loss
-    computed on rank k: a reduce-scatter, or with ``backward="all_reduce"`` (and on a
-    backend without reduce-scatter) an all-reduce of the whole gradient and a slice.
+    computed on rank k. ``backward`` names the collective (``GATHER_BACKWARDS``); the
+    default picks the fastest exact one for the group's backend (``AUTO_BACKWARD``). A
+    backend without reduce-scatter falls back to an all-reduce of the whole gradient and a
+    slice.
 
     Ranks may hold different dim-0 sizes; pass ``sizes`` (from ``all_gather_sizes``)
     to skip the size exchange when they are already known. Identity, with no
@@ -157,6 +182,8 @@ def gather(
         return x
     if sizes is None:
         sizes, _ = all_gather_sizes(x, group)
+    if backward == "auto":
+        backward = AUTO_BACKWARD.get(str(dist.get_backend(group)), "reduce_scatter")
     return _Gather.apply(x, sizes, group, backward)
 
 
@@ -170,6 +197,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         sizes, max_size = ctx.sizes, max(ctx.sizes)
+        if max_size == 0:  # no rank has a row: nothing to exchange
+            return grad_output.new_zeros(grad_output.shape), None, None, None
         if ctx.backward == "reduce_scatter":
             stacked = _stack_padded(grad_output, sizes, copy=False)
             grad_input = stacked.new_empty((max_size, *grad_output.shape[1:]))
@@ -178,6 +207,12 @@ class _Gather(torch.autograd.Function):
                 return grad_input[: sizes[ctx.rank]], None, None, None
             except (RuntimeError, NotImplementedError):
                 pass  # the backend lacks reduce-scatter
+        if ctx.backward == "all_to_all":
+            stacked = _stack_padded(grad_output, sizes, copy=False)
+            received = torch.empty_like(stacked)  # block k: rank k's gradient of our rows
+            dist.all_to_all_single(received, stacked, group=ctx.group)
+            summed = received.view(len(sizes), max_size, *grad_output.shape[1:]).sum(0)
+            return summed[: sizes[ctx.rank]], None, None, None
         stacked = _stack_padded(grad_output, sizes, copy=True)  # all_reduce works in place
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=ctx.group)
         start = ctx.rank * max_size

@@ -6,9 +6,11 @@ Every entry says why no public API does the job and the versions it was checked 
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,6 +64,18 @@ def default_store() -> dist.Store:
     peer has died, unlike any collective, so a failing rank can wait for the others with
     a deadline. torch has no public accessor for the store it rendezvoused with."""
     return dist.distributed_c10d._get_default_store()
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The collective timeout that ``group`` (default: the default group) was made with
+    (torch 2.4 - 2.14.1), for a side group that must give up as soon as the run's own
+    collectives do; None where torch does not expose it."""
+    group = group or dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def launcher_gradient_accumulation_steps() -> int:

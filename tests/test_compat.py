@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from contrastive_accelerate import compat
-from contrastive_accelerate.testing import run_on_ranks
+from contrastive_accelerate.testing import COLLECTIVE_TIMEOUT_S, run_on_ranks
 from models import SyncBatchNorm
 
 
@@ -46,6 +46,14 @@ def _store_worker(rank: int, world_size: int) -> int:
 
 def test_default_store_is_shared_by_the_group():
     assert run_on_ranks(_store_worker, 2) == [3, 3], "distributed_c10d._get_default_store"
+
+
+def _timeout_worker(rank: int, world_size: int) -> float:
+    return compat.group_timeout().total_seconds()
+
+
+def test_group_timeout_is_the_one_the_group_was_made_with():
+    assert run_on_ranks(_timeout_worker, 2) == [COLLECTIVE_TIMEOUT_S] * 2, "ProcessGroup options"
 
 
 def test_launcher_accumulation_steps_reads_the_environment(monkeypatch):

@@ -7,6 +7,8 @@ still look right up to a factor, which is how this bug has slipped through elsew
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,7 +37,10 @@ def _downstream(rank: int, gathered: torch.Tensor) -> torch.Tensor:
 
 GATHERS = {
     "correct": gather,
-    "all_reduce": lambda x, sizes: gather(x, sizes=sizes, backward="all_reduce"),
+    **{
+        backward: partial(gather, backward=backward)
+        for backward in ("reduce_scatter", "all_to_all", "all_reduce")
+    },
     "local_slice": local_slice_gather,
     "slice_all_reduce": slice_then_all_reduce_gather,
     "no_grad": no_grad_gather,
@@ -106,7 +111,7 @@ def test_forward_is_concatenation_in_rank_order(gather_results):
         assert result["forward_error_torch.bfloat16"] == 0.0
 
 
-@pytest.mark.parametrize("collective", ["correct", "all_reduce"])
+@pytest.mark.parametrize("collective", ["correct", "reduce_scatter", "all_to_all", "all_reduce"])
 def test_backward_equals_single_process_autograd(gather_results, collective):
     _, results = gather_results
     worst = max(result[collective] for result in results)
