@@ -44,7 +44,7 @@ from contrastive_accelerate.linear_probe import linear_probe_top1
 from contrastive_accelerate.methods import DTYPES, LOSSES, SimCLRMethod
 from contrastive_accelerate.optim import OPTIMIZERS, make_optimizer, warmup_cosine
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
-from contrastive_accelerate.ranks import any_rank, on_main_process, raise_together
+from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
 from models import BACKBONES
 from models.simclr import VIT_SIZES
 
@@ -314,7 +314,9 @@ def _train(
     metrics: dict[str, float] = {}
     if step == 0 and knn is not None:
         metrics["knn_top1_init"] = _evaluate(accelerator, model, knn, config.knn_k, run, step)
-    save = partial(_save, accelerator, run, model, optimizer, method, state)
+    # Non-finite losses and problems found without a collective: raised at logging and saving.
+    checks = StepChecks(accelerator.device)
+    save = partial(_save, accelerator, run, model, optimizer, method, state, checks)
 
     # Loop
     loader, sampler = train_loader(
@@ -341,18 +343,24 @@ def _train(
             epoch, first_batch = divmod(step, steps_per_epoch)
             sampler.set_epoch(epoch, first_batch)
             for batch in loader:
-                if _stop_requested(accelerator, signals, batch, config.skip_bad_images):
+                stop, skipped = _stop_requested(signals, batch, config.skip_bad_images)
+                if stop:
                     preempted = signals.requested or "a signal to another rank"
                     if step != saved_step:
                         last_checkpoint = save(step)
                     break
+                # Every rank's share, known from the sampler: the losses exchange nothing
+                # (unless a rank skipped an image, or Accelerate shards: the control).
+                known = not skipped and config.data_sharding != "accelerate"
+                sizes = sampler.share_sizes(step % steps_per_epoch) if known else None
                 loss = cached_backward(
                     model,
                     batch.split(config.accumulation_chunks),
-                    partial(method.loss, batch=batch),
+                    partial(method.loss, batch=batch, sizes=sizes),
                     forward=partial(method.embed, model, step=step),
                     backward=accelerator.backward,
                 )
+                checks.record(step, loss)
                 lr = learning_rate(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -363,6 +371,7 @@ def _train(
                 progress.update(1)
 
                 if step % config.log_every == 0 or step == total_steps:
+                    checks.raise_if_any()
                     trained = (step - started_step) * config.batch_size
                     speed = trained / (time.perf_counter() - started)
                     metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed)
@@ -392,20 +401,21 @@ def _train(
     return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)
 
 
-def _stop_requested(accelerator, signals: StopSignals, batch, skip_bad_images: bool) -> bool:
-    """Whether any rank was signalled to stop. One exchange per step, before any other
-    collective of the step, also says whether any rank drew an unreadable image: an
-    error on every rank, or skipped and said with ``--skip-bad-images``."""
-    stop, broken = any_rank(
-        accelerator.device,
+def _stop_requested(signals: StopSignals, batch, skip_bad_images: bool) -> tuple[bool, bool]:
+    """Whether any rank was signalled to stop, and whether any rank skipped an image (its
+    share is then smaller than the sampler's). One exchange per step, before any other
+    collective of the step, on the host, also says whether any rank drew an unreadable
+    image: an error on every rank, or skipped and said with ``--skip-bad-images``."""
+    stop, broken, skipped = any_rank(
         signals.requested is not None,
         bool(batch.unreadable) and not skip_bad_images,
+        bool(batch.unreadable),
     )
     if broken:
         raise_together(batch.unreadable[0] if batch.unreadable else None)
     for image in batch.unreadable:
         print(f"warning: skipping {image} (--skip-bad-images)", flush=True)
-    return stop
+    return stop, skipped
 
 
 def _log(accelerator, run, progress, step, loss, lr, epoch, samples_per_s) -> dict[str, float]:
@@ -424,8 +434,9 @@ def _log(accelerator, run, progress, step, loss, lr, epoch, samples_per_s) -> di
     return {"loss": record["loss"], "samples_per_s": samples_per_s}
 
 
-def _save(accelerator, run, model, optimizer, method, state: RunState, step: int) -> str:
+def _save(accelerator, run, model, optimizer, method, state, checks, step: int) -> str:
     """A checkpoint, written by the main process: every rank holds the same states."""
+    checks.raise_if_any()  # never a checkpoint of a model that a non-finite loss trained
     return on_main_process(
         run.save_checkpoint,
         step,

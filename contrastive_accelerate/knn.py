@@ -118,7 +118,7 @@ def knn_features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size
             )
         except UnreadableImage as unreadable:
             problem = unreadable
-        (failed,) = any_rank(device, problem is not None)
+        (failed,) = any_rank(problem is not None)
         if failed:
             raise_together(problem)
         if kept:

@@ -10,8 +10,9 @@ object with these members, and the loop calls nothing else of it:
   ``unreadable`` lists the images that could not be decoded.
 - ``embed(model, chunk, step)``: one chunk as embeddings. It is the forward that
   ``cached_backward`` replays, so its randomness must be keyed by sample.
-- ``loss(outputs, batch)``: this rank's share of the loss of the global batch, from the
-  embeddings of all of this rank's chunks.
+- ``loss(outputs, batch, sizes)``: this rank's share of the loss of the global batch, from
+  the embeddings of all of this rank's chunks; ``sizes`` is every rank's number of samples
+  when the loop knows it (the losses then exchange nothing: ``losses.inputs``), else None.
 - ``after_step(step)``: called after each optimizer step (an EMA teacher's update).
 - ``state_dict()`` / ``load_state_dict(state)``: tensors that persist across steps besides
   the model and the optimizer (a queue of past keys, a running center, a teacher's
@@ -80,7 +81,7 @@ class LossRow:
     options: tuple[str, ...]
     #: The criterion, from the run's options.
     make: Callable[[Any], nn.Module]
-    #: How it is called: ``call(criterion, model, z0, z1, labels)``.
+    #: How it is called: ``call(criterion, model, z0, z1, labels, sizes)``.
     call: Callable[..., torch.Tensor]
     #: Its own defaults for options left at None, where they differ from the shared ones.
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -88,21 +89,21 @@ class LossRow:
     labels: bool = False
 
 
-def _two_views(criterion, model, z0, z1, labels):
-    return criterion(z0, z1)
+def _two_views(criterion, model, z0, z1, labels, sizes):
+    return criterion(z0, z1, sizes=sizes)
 
 
-def _with_labels(criterion, model, z0, z1, labels):
-    return criterion(z0, z1, labels)
+def _with_labels(criterion, model, z0, z1, labels, sizes):
+    return criterion(z0, z1, labels, sizes=sizes)
 
 
-def _clip_style(criterion, model, z0, z1, labels):
+def _clip_style(criterion, model, z0, z1, labels, sizes):
     """Normalised features and the model's learnable scale (and bias), as in open_clip."""
     features0, features1 = F.normalize(z0, dim=1), F.normalize(z1, dim=1)
     scale = model.log_logit_scale.exp()
     if isinstance(criterion, SigLIPLoss):
-        return criterion(features0, features1, scale, model.logit_bias)
-    return criterion(features0, features1, scale)
+        return criterion(features0, features1, scale, model.logit_bias, sizes=sizes)
+    return criterion(features0, features1, scale, sizes=sizes)
 
 
 def _common(config) -> dict[str, Any]:
@@ -183,7 +184,7 @@ class SimCLRMethod:
 
         method = SimCLRMethod(TrainConfig(model="mlp").resolved(), load_image_dataset(), 1, print)
         batch = method.dataset.collate([method.dataset[(0, index)] for index in range(8)])
-        loss = method.loss([method.embed(method.model, batch, step=0)], batch)
+        loss = method.loss([method.embed(method.model, batch, step=0)], batch, sizes=None)
     """
 
     def __init__(self, config, data: ImageData, world_size: int, say: Callable[[str], Any]):
@@ -250,12 +251,14 @@ class SimCLRMethod:
         with sample_randomness(keys.to(device, non_blocking=True)):
             return model(images)
 
-    def loss(self, outputs: list[torch.Tensor], batch: TwoViewBatch) -> torch.Tensor:
+    def loss(
+        self, outputs: list[torch.Tensor], batch: TwoViewBatch, sizes: list[int] | None
+    ) -> torch.Tensor:
         """The loss of this rank's whole share, from every chunk's ``embed`` output."""
         z0 = torch.cat([output[: len(output) // 2] for output in outputs])
         z1 = torch.cat([output[len(output) // 2 :] for output in outputs])
         labels = None if self.labels is None else self.labels[batch.indices].to(z0.device)
-        return self.row.call(self.criterion, self.model, z0, z1, labels)
+        return self.row.call(self.criterion, self.model, z0, z1, labels, sizes)
 
     def after_step(self, step: int) -> None:
         """Nothing: SimCLR has no teacher."""

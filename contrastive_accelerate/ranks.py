@@ -15,19 +15,77 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from contrastive_accelerate.collectives import is_distributed
+from contrastive_accelerate.collectives import host_group, is_distributed
 from contrastive_accelerate.compat import default_store
 
 T = TypeVar("T")
 
 
-def any_rank(device: torch.device, *flags: bool) -> list[bool]:
-    """For each flag, whether it is set on any rank (one small all-reduce)."""
+def any_rank(*flags: bool) -> list[bool]:
+    """For each flag, whether it is set on any rank: one small all-reduce on the host
+    (``collectives.host_group``), so that the host never waits for the device for it."""
     if not is_distributed():
         return list(flags)
-    values = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values = torch.tensor([int(flag) for flag in flags], dtype=torch.int32)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=host_group())
     return [bool(value) for value in values.tolist()]
+
+
+#: "No step yet": the value of ``StepChecks``' first non-finite step until there is one.
+_NEVER = 2**62
+
+
+class StepChecks:
+    """What the training steps find out without making the host wait for the device,
+    raised on every rank at the steps that read device values anyway (logging, saving).
+
+    ``record`` runs every step and only queues device work; ``raise_if_any`` is a
+    collective, called by every rank at the same steps. A problem raises at the latest
+    at the next check, so a non-finite loss is never logged or saved.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.first_non_finite = torch.full((), _NEVER, dtype=torch.int64, device=device)
+
+    def record(self, step: int, loss: torch.Tensor) -> None:
+        """Remember ``step`` if ``loss`` is not finite (no host read)."""
+        this_step = torch.where(torch.isfinite(loss), _NEVER, step)
+        self.first_non_finite = torch.minimum(self.first_non_finite, this_step)
+
+    def raise_if_any(self) -> None:
+        """Raise on every rank if any rank recorded a problem since the start (one small
+        all-reduce and one read; the messages travel only when there is one)."""
+        problems = take_deferred_problems()
+        flags = torch.stack(
+            [self.first_non_finite, self.first_non_finite.new_tensor(-len(problems))]
+        )
+        if is_distributed():
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        step, problem_anywhere = flags.tolist()
+        if problem_anywhere:
+            raise_together(ValueError(problems[0]) if problems else None)
+        if step != _NEVER:
+            raise ValueError(
+                f"the loss is not finite at step {step + 1} (NaN or Inf in the embeddings "
+                "or in the loss: check the learning rate and the inputs)"
+            )
+
+
+def defer_problem(message: str) -> None:
+    """Keep a problem found on this rank without a collective (a loss given wrong sizes)
+    for the next ``StepChecks.raise_if_any``: raising now would leave the other ranks
+    waiting in the next collective."""
+    _deferred.append(message)
+
+
+def take_deferred_problems() -> list[str]:
+    """The problems ``defer_problem`` kept on this rank since the last call."""
+    problems = list(_deferred)
+    _deferred.clear()
+    return problems
+
+
+_deferred: list[str] = []
 
 
 def raise_together(error: Exception | None) -> None:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from contrastive_accelerate.ckpt_diff import WEIGHTS_SUFFIXES
+from contrastive_accelerate.compat import TorchDispatchMode
 
 # Generous for a loaded 2-core CI machine, still far below CI's budget: a hung
 # collective fails the test instead of the run.
@@ -522,6 +523,82 @@ def assert_training_invariant(
                     f"{worst.max_abs:.3e} (atol {atol:g})"
                 )
         return figures
+
+
+class HostSyncs:
+    """Counts, inside a ``with`` block, the operations that make the host wait for the
+    device on CUDA, also when everything runs on the CPU (where none of them waits)::
+
+        with HostSyncs() as syncs:
+            loss = criterion(z0, z1)
+            loss.backward()
+        assert syncs.seen == []
+
+    Seen: reading a value (``item()``, ``bool()``, ``float()``: ``_local_scalar_dense``),
+    data-dependent shapes (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
+    indexing with a boolean mask) and ``tolist()``, ``numpy()``, ``cpu()`` of a tensor. ``seen`` lists them in order.
+    Operators are seen through a ``TorchDispatchMode`` on this thread, so work in other
+    threads (the loader's workers, autograd's device threads) is not counted.
+    """
+
+    _READS = (
+        "aten._local_scalar_dense",
+        "aten.nonzero",
+        "aten.masked_select",
+        "aten._unique",
+        "aten.unique",
+        "aten.bincount",
+    )
+    _INDEXING = ("aten.index.Tensor", "aten.index_put")
+    _HOST_COPIES = ("tolist", "numpy", "cpu")
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self._mode = _SyncMode(self.seen)
+        self._patched: dict[str, Any] = {}
+
+    def __enter__(self) -> HostSyncs:
+        for name in self._HOST_COPIES:
+            original = getattr(torch.Tensor, name)
+            self._patched[name] = original
+            setattr(torch.Tensor, name, _counted(original, f"Tensor.{name}", self.seen))
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._mode.__exit__(*exc_info)
+        for name, original in self._patched.items():
+            setattr(torch.Tensor, name, original)
+        self._patched.clear()
+
+
+def _counted(method, name: str, seen: list[str]):
+    def wrapper(self, *args, **kwargs):
+        seen.append(name)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _SyncMode(TorchDispatchMode):
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith(HostSyncs._READS) or (
+            name.startswith(HostSyncs._INDEXING) and _has_boolean_index(args)
+        ):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _has_boolean_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(
+        isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in indices or ()
+    )
 
 
 def launch_command(world_size: int) -> list[str]:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from contrastive_accelerate import collectives
-from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.inputs import check_batch, require_global_batch
 from losses.logsumexp import DENSE_MAX_BYTES, auto_tile_rows, tiled_logsumexp
 from losses.precision import autocast_off, compute_dtype, matmul
 
@@ -56,11 +56,18 @@ class InfoNCELoss(nn.Module):
         self.dense_max_bytes = dense_max_bytes
 
     def forward(
-        self, features0: torch.Tensor, features1: torch.Tensor, logit_scale
+        self,
+        features0: torch.Tensor,
+        features1: torch.Tensor,
+        logit_scale,
+        *,
+        sizes: list[int] | None = None,
     ) -> torch.Tensor:
         name = type(self).__name__
-        problem = local_problem(features0, features1, scalars=(logit_scale,))
-        rank, world_size, sizes = batch_sizes(name, features0, problem, self.gather_distributed)
+        rank, world_size, sizes, (features0, features1, _) = check_batch(
+            name, features0, features1, scalars=(logit_scale,),
+            gather_distributed=self.gather_distributed, sizes=sizes,
+        )  # fmt: skip
         require_global_batch(name, sizes, 2, "so that every sample has a negative")
         with autocast_off(features0.device):
             dtype = compute_dtype(features0, features1)
@@ -118,11 +125,19 @@ class SigLIPLoss(nn.Module):
         self.dense_max_bytes = dense_max_bytes
 
     def forward(
-        self, features0: torch.Tensor, features1: torch.Tensor, logit_scale, logit_bias
+        self,
+        features0: torch.Tensor,
+        features1: torch.Tensor,
+        logit_scale,
+        logit_bias,
+        *,
+        sizes: list[int] | None = None,
     ) -> torch.Tensor:
         name = type(self).__name__
-        problem = local_problem(features0, features1, scalars=(logit_scale, logit_bias))
-        rank, world_size, sizes = batch_sizes(name, features0, problem, self.gather_distributed)
+        rank, world_size, sizes, (features0, features1, _) = check_batch(
+            name, features0, features1, scalars=(logit_scale, logit_bias),
+            gather_distributed=self.gather_distributed, sizes=sizes,
+        )  # fmt: skip
         require_global_batch(name, sizes, 1, "")
         with autocast_off(features0.device):
             dtype = compute_dtype(features0, features1)
@@ -134,7 +149,7 @@ class SigLIPLoss(nn.Module):
                 columns, max(len(f0), 1), f0, self.dense_max_bytes
             )
             if tile >= columns:
-                local_sum = _sigmoid_loss_tile(f0, keys, scale, bias, torch.tensor(offset))
+                local_sum = _sigmoid_loss_tile(f0, keys, scale, bias, offset)
             else:
                 local_sum = sum(
                     checkpoint(
@@ -143,7 +158,7 @@ class SigLIPLoss(nn.Module):
                         keys[start : start + tile],
                         scale,
                         bias,
-                        torch.tensor(offset - start),
+                        offset - start,
                         use_reentrant=False,
                     )
                     for start in range(0, columns, tile)
@@ -151,7 +166,7 @@ class SigLIPLoss(nn.Module):
             return local_sum * (world_size / sum(sizes))
 
 
-def _sigmoid_loss_tile(queries, keys, scale, bias, positive_offset) -> torch.Tensor:
+def _sigmoid_loss_tile(queries, keys, scale, bias, positive_offset: int) -> torch.Tensor:
     """``-sum log sigmoid(y_ij l_ij)`` of one tile; the positive of row i is column
     ``i + positive_offset`` (when inside the tile). Float32 also when recomputed in a
     backward that runs inside autocast."""
@@ -159,11 +174,12 @@ def _sigmoid_loss_tile(queries, keys, scale, bias, positive_offset) -> torch.Ten
         return _sigmoid_loss(queries, keys, scale, bias, positive_offset)
 
 
-def _sigmoid_loss(queries, keys, scale, bias, positive_offset) -> torch.Tensor:
+def _sigmoid_loss(queries, keys, scale, bias, positive_offset: int) -> torch.Tensor:
     logits = scale * matmul(queries, keys.T) + bias
+    # +1 on each row's positive column (if inside the tile), -1 elsewhere: a comparison,
+    # not a boolean-mask assignment, whose shape would depend on the data.
     rows = torch.arange(len(queries), device=queries.device)
-    columns = rows + positive_offset.item()
-    inside = (columns >= 0) & (columns < len(keys))
-    signs = -torch.ones_like(logits)
-    signs[rows[inside], columns[inside]] = 1.0
+    columns = torch.arange(len(keys), device=queries.device)
+    positive = columns[None, :] == (rows + positive_offset)[:, None]
+    signs = torch.where(positive, 1.0, -1.0).to(logits.dtype)
     return -F.logsigmoid(signs * logits).sum()

@@ -49,9 +49,11 @@ class DCLLoss(TwoViewLoss):
         super().__init__(temperature, gather_distributed, tile_rows, dense_max_bytes)
         self.weight_fn = weight_fn
 
-    def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, out0: torch.Tensor, out1: torch.Tensor, *, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         with autocast_off(out0.device):
-            views = self._gathered(out0, out1)
+            views = self._gathered(out0, out1, sizes=sizes)
             own = self._own_columns(views)
             n = len(views.z0)
             positive_column = own.roll(n, dims=0)  # row i's positive is row i + n, and back

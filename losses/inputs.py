@@ -4,16 +4,30 @@ A loss that gathers or all-reduces must not raise on one rank while the others
 enter the collective: they would wait for it until the collective timeout. Each
 loss therefore checks its local inputs first, exchanges a problem code together
 with the batch sizes in one small collective, and raises on every rank.
+
+Called with ``sizes`` (every rank's row count, known to the caller: the trainer's
+sampler knows them), a loss exchanges nothing and reads no device value, so that a
+training step never waits for the device. Then:
+
+- shape problems, which are host metadata, still raise (on every rank, when every
+  rank runs the same model, as under DDP);
+- a rank whose row count is not its entry of ``sizes`` trains that step on its rows
+  cut or zero-padded to it, so that every collective still matches, and records the
+  problem (``contrastive_accelerate.ranks.defer_problem``) for the caller's next check;
+- values are not checked: NaN or Inf in the inputs (or a non-finite scale) give a
+  non-finite loss, which the caller checks when it reads the loss anyway.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from contrastive_accelerate.collectives import all_gather_sizes, is_distributed
+from contrastive_accelerate.ranks import defer_problem
 
 _SHAPES, _NOT_2D, _NOT_FINITE, _LABELS, _SCALARS = 1, 2, 3, 4, 5
 _PROBLEMS = {
@@ -30,13 +44,15 @@ def local_problem(
     x1: torch.Tensor,
     labels: torch.Tensor | None = None,
     scalars: tuple = (),
+    values: bool = True,
 ) -> tuple[int, str] | None:
-    """The first problem with this rank's inputs, as (code, message), or None."""
+    """The first problem with this rank's inputs, as (code, message), or None; without
+    ``values``, only what the host knows (shapes, dtypes), with no device read."""
     if x0.shape != x1.shape:
         return _SHAPES, f"{_PROBLEMS[_SHAPES]}: {tuple(x0.shape)} and {tuple(x1.shape)}"
     if x0.dim() != 2:
         return _NOT_2D, f"{_PROBLEMS[_NOT_2D]}, got shape {tuple(x0.shape)}"
-    if not (torch.isfinite(x0).all() and torch.isfinite(x1).all()):
+    if values and not (torch.isfinite(x0).all() and torch.isfinite(x1).all()):
         return _NOT_FINITE, _PROBLEMS[_NOT_FINITE]
     if labels is not None and (
         labels.dim() != 1
@@ -46,29 +62,70 @@ def local_problem(
     ):
         shape = tuple(labels.shape)
         return _LABELS, f"{_PROBLEMS[_LABELS]}, got {labels.dtype} of shape {shape}"
-    for scalar in scalars:
+    for scalar in scalars if values else ():
         value = scalar if isinstance(scalar, torch.Tensor) else torch.tensor(float(scalar))
         if value.numel() != 1 or not math.isfinite(float(value.detach())):
             return _SCALARS, _PROBLEMS[_SCALARS]
     return None
 
 
-def batch_sizes(
-    name: str, x: torch.Tensor, problem: tuple[int, str] | None, gather_distributed: bool
-) -> tuple[int, int, list[int]]:
-    """``(rank, world_size, every rank's batch size)``; raises ``ValueError`` on every rank
-    when the inputs of any rank have a problem (one small collective when distributed)."""
-    if not (gather_distributed and is_distributed()):
+class CheckedBatch(NamedTuple):
+    rank: int
+    world_size: int
+    sizes: list[int]  # every rank's number of rows, the same on every rank
+    inputs: tuple  # the inputs, with this rank's ``sizes[rank]`` rows
+
+
+def check_batch(
+    name: str,
+    x0: torch.Tensor,
+    x1: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    scalars: tuple = (),
+    *,
+    gather_distributed: bool,
+    sizes: list[int] | None = None,
+) -> CheckedBatch:
+    """Check a loss's inputs on every rank and learn every rank's batch size.
+
+    Without ``sizes``: one small collective when distributed, and ``ValueError`` on every
+    rank when any rank's inputs have a problem. With ``sizes``: no collective and no
+    device read (see the module's docstring). ``inputs`` are ``(x0, x1, labels)``.
+    """
+    distributed = gather_distributed and is_distributed()
+    problem = local_problem(x0, x1, labels, scalars, values=sizes is None)
+    if not distributed:
         if problem:
             raise ValueError(f"{name}: {problem[1]}")
-        return 0, 1, [x.shape[0]]
-    sizes, codes = all_gather_sizes(x, error_code=problem[0] if problem else 0)
+        return CheckedBatch(0, 1, [x0.shape[0]], (x0, x1, labels))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if sizes is None:
+        sizes, codes = all_gather_sizes(x0, error_code=problem[0] if problem else 0)
+        if problem:
+            raise ValueError(f"{name}: {problem[1]}")
+        for bad_rank, code in enumerate(codes):
+            if code:
+                raise ValueError(f"{name}: rank {bad_rank}: {_PROBLEMS[code]}")
+        return CheckedBatch(rank, world_size, sizes, (x0, x1, labels))
     if problem:
         raise ValueError(f"{name}: {problem[1]}")
-    for bad_rank, code in enumerate(codes):
-        if code:
-            raise ValueError(f"{name}: rank {bad_rank}: {_PROBLEMS[code]}")
-    return dist.get_rank(), dist.get_world_size(), sizes
+    sizes = list(sizes)
+    if len(sizes) != world_size:
+        raise ValueError(f"{name}: sizes has {len(sizes)} entries for {world_size} ranks")
+    inputs = (x0, x1, labels)
+    if x0.shape[0] != sizes[rank]:
+        defer_problem(
+            f"{name}: rank {rank} has {x0.shape[0]} rows where the given sizes say "
+            f"{sizes[rank]} ({sizes})"
+        )
+        inputs = tuple(None if t is None else _fit_rows(t, sizes[rank]) for t in inputs)
+    return CheckedBatch(rank, world_size, sizes, inputs)
+
+
+def _fit_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] >= rows:
+        return x[:rows]
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
 def require_global_batch(name: str, sizes: list[int], minimum: int, why: str) -> None:

@@ -48,9 +48,11 @@ class NTXentLoss(TwoViewLoss):
     ) -> None:
         super().__init__(temperature, gather_distributed, tile_rows, dense_max_bytes)
 
-    def forward(self, out0: torch.Tensor, out1: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, out0: torch.Tensor, out1: torch.Tensor, *, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         with autocast_off(out0.device):
-            views = self._gathered(out0, out1)
+            views = self._gathered(out0, out1, sizes=sizes)
             log_denominator = self._log_denominator(views, self._own_columns(views))
             positive = (views.z0 * views.z1).sum(dim=1) / self.temperature
             return self._global_mean(log_denominator.sum() - 2 * positive.sum(), views)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contrastive_accelerate import collectives
-from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.inputs import check_batch, require_global_batch
 from losses.precision import autocast_off, compute_dtype, matmul
 
 
@@ -103,9 +103,13 @@ class BarlowTwinsLoss(nn.Module):
         self.gather_distributed = gather_distributed
         self.eps = eps
 
-    def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, z_a: torch.Tensor, z_b: torch.Tensor, *, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         name = type(self).__name__
-        _, _, sizes = batch_sizes(name, z_a, local_problem(z_a, z_b), self.gather_distributed)
+        _, _, sizes, (z_a, z_b, _) = check_batch(
+            name, z_a, z_b, gather_distributed=self.gather_distributed, sizes=sizes
+        )
         require_global_batch(name, sizes, 2, "for a standard deviation")
         distributed = self.gather_distributed and collectives.is_distributed()
         count = sum(sizes)
@@ -163,9 +167,13 @@ class VICRegLoss(nn.Module):
         self.gather_distributed = gather_distributed
         self.eps = eps
 
-    def forward(self, z_a: torch.Tensor, z_b: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, z_a: torch.Tensor, z_b: torch.Tensor, *, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         name = type(self).__name__
-        _, _, sizes = batch_sizes(name, z_a, local_problem(z_a, z_b), self.gather_distributed)
+        _, _, sizes, (z_a, z_b, _) = check_batch(
+            name, z_a, z_b, gather_distributed=self.gather_distributed, sizes=sizes
+        )
         require_global_batch(name, sizes, 2, "for a variance")
         distributed = self.gather_distributed and collectives.is_distributed()
         count, summed = sum(sizes), _summed(distributed)

@@ -45,15 +45,20 @@ class SupConLoss(TwoViewLoss):
         self.rescale = rescale
 
     def forward(
-        self, out0: torch.Tensor, out1: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        out0: torch.Tensor,
+        out1: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        sizes: list[int] | None = None,
     ) -> torch.Tensor:
         with autocast_off(out0.device):
-            views = self._gathered(out0, out1, labels)
+            views = self._gathered(out0, out1, labels, sizes)
             log_denominator = self._log_denominator(views, self._own_columns(views))
             if labels is None:
                 positive = 2 * (views.z0 * views.z1).sum() / self.temperature
             else:
-                positive = self._mean_positive_similarity(views, labels)
+                positive = self._mean_positive_similarity(views, views.labels)
             loss = self._global_mean(log_denominator.sum() - positive, views)
             return loss * self.temperature if self.rescale else loss
 
@@ -66,10 +71,17 @@ class SupConLoss(TwoViewLoss):
             every = collectives.gather(labels, sizes=views.sizes)
         # Key labels in the keys' order: each rank's first views, then its second views.
         key_labels = torch.cat([torch.cat([block, block]) for block in every.split(views.sizes)])
-        classes, key_class = torch.unique(key_labels, return_inverse=True)
-        class_sums = keys.new_zeros(len(classes), keys.shape[1]).index_add(0, key_class, keys)
-        class_sizes = torch.bincount(key_class, minlength=len(classes))
-        anchor_class = torch.searchsorted(classes, torch.cat([labels, labels]))
+        # Classes numbered by sorting, not torch.unique: no shape depends on the data, so
+        # nothing waits for the device. Up to len(keys) classes; the unused rows stay 0.
+        ordered, order = key_labels.sort(stable=True)
+        first_of_class = torch.ones_like(ordered, dtype=torch.bool)
+        first_of_class[1:] = ordered[1:] != ordered[:-1]
+        key_class = torch.empty_like(order).scatter_(0, order, first_of_class.cumsum(0) - 1)
+        class_sums = keys.new_zeros(keys.shape).index_add(0, key_class, keys)
+        ones = torch.ones_like(key_class)
+        class_sizes = torch.zeros_like(key_class).index_add(0, key_class, ones)
+        # This rank's anchors are keys[offset : offset + 2n], in the same order as local.
+        anchor_class = key_class[views.offset : views.offset + len(local)]
         # Positives of anchor i: its class's views but itself (the other view is one).
         positive_sums = class_sums[anchor_class] - local
         counts = (class_sizes[anchor_class] - 1).to(local.dtype)

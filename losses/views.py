@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contrastive_accelerate import collectives
-from losses.inputs import batch_sizes, local_problem, require_global_batch
+from losses.inputs import check_batch, require_global_batch
 from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
 from losses.precision import compute_dtype
 
@@ -31,6 +31,7 @@ class GatheredViews(NamedTuple):
     offset: int  # the column of this rank's first row among the keys
     world_size: int
     sizes: list[int]  # every rank's n
+    labels: torch.Tensor | None  # (n,) this rank's labels, if given
 
 
 class TwoViewLoss(nn.Module):
@@ -54,11 +55,12 @@ class TwoViewLoss(nn.Module):
         self.tile_rows = tile_rows
         self.dense_max_bytes = dense_max_bytes
 
-    def _gathered(self, out0, out1, labels: torch.Tensor | None = None) -> GatheredViews:
+    def _gathered(self, out0, out1, labels=None, sizes=None) -> GatheredViews:
         """Check, normalise and gather the two views (call with autocast off)."""
         name = type(self).__name__
-        problem = local_problem(out0, out1, labels)
-        rank, world_size, sizes = batch_sizes(name, out0, problem, self.gather_distributed)
+        rank, world_size, sizes, (out0, out1, labels) = check_batch(
+            name, out0, out1, labels, gather_distributed=self.gather_distributed, sizes=sizes
+        )
         require_global_batch(name, sizes, 2, "so that every sample has a negative")
         dtype = compute_dtype(out0, out1)
         z0, z1 = F.normalize(out0.to(dtype), dim=1), F.normalize(out1.to(dtype), dim=1)
@@ -66,7 +68,8 @@ class TwoViewLoss(nn.Module):
         keys = local
         if world_size > 1:
             keys = collectives.gather(local, sizes=[2 * size for size in sizes])
-        return GatheredViews(z0, z1, local, keys, 2 * sum(sizes[:rank]), world_size, sizes)
+        offset = 2 * sum(sizes[:rank])
+        return GatheredViews(z0, z1, local, keys, offset, world_size, sizes, labels)
 
     def _log_denominator(self, views: GatheredViews, excluded: torch.Tensor) -> torch.Tensor:
         """``log sum_j exp(z_i . k_j / t)`` for every local row, ``excluded`` columns left out."""

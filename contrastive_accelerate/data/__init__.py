@@ -17,7 +17,12 @@ from contrastive_accelerate.data.decoding import (
     read_image,
 )
 from contrastive_accelerate.data.loader import train_loader, workers_stopped_on_exit
-from contrastive_accelerate.data.sampler import GlobalBatchSampler, batches_per_epoch, derive_seed
+from contrastive_accelerate.data.sampler import (
+    GlobalBatchSampler,
+    batches_per_epoch,
+    derive_seed,
+    share_sizes,
+)
 from contrastive_accelerate.data.sources import (
     DataError,
     ImageData,
@@ -39,6 +44,7 @@ __all__ = [
     "label_ids",
     "load_image_dataset",
     "read_image",
+    "share_sizes",
     "simclr_augmentation",
     "train_loader",
     "workers_stopped_on_exit",

@@ -73,12 +73,25 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
             share = batch.tensor_split(self.world_size)[self.rank]
             yield [(self.epoch, index) for index in share.tolist()]
 
+    def share_sizes(self, batch: int) -> list[int]:
+        """Every rank's number of samples in global batch ``batch`` of an epoch: what the
+        losses would otherwise exchange at every step."""
+        length = min(self.global_batch_size, self.dataset_size - batch * self.global_batch_size)
+        return share_sizes(length, self.world_size)
+
     def __len__(self) -> int:
         return max(
             0,
             batches_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
             - self.start_batch,
         )
+
+
+def share_sizes(global_batch_size: int, world_size: int) -> list[int]:
+    """The ranks' shares of a global batch, as ``tensor_split`` makes them: sizes differing
+    by at most one, the extra samples on the earlier ranks."""
+    base, extra = divmod(global_batch_size, world_size)
+    return [base + (rank < extra) for rank in range(world_size)]
 
 
 def batches_per_epoch(dataset_size: int, global_batch_size: int, drop_last: bool) -> int:

@@ -1,0 +1,157 @@
+"""No training step waits for the device: zero host-device synchronisations per step.
+
+On a GPU every read of a device value (``item()``, a tensor in an ``if``, a shape that
+depends on the data) stalls the host until the device queue drains, once per read and
+step. The same operators are visible on the CPU to ``HostSyncs``, so this test runs the
+trainer's step (the method's embed and loss through ``cached_backward`` given the
+sampler's sizes, DDP, the optimizer, the step's checks) on 2 gloo processes for every
+row of the loss table and counts them; a logging step's reads are counted apart.
+
+What the losses no longer check per step is checked at logging and saving steps
+(``ranks.StepChecks``): a non-finite loss and wrong given sizes still stop every rank
+with one line, tested here on units and on the trainer.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from contrastive_accelerate.data import load_image_dataset, share_sizes
+from contrastive_accelerate.grad_cache import cached_backward
+from contrastive_accelerate.methods import LOSSES, SimCLRMethod
+from contrastive_accelerate.optim import make_optimizer
+from contrastive_accelerate.ranks import StepChecks
+from contrastive_accelerate.testing import HostSyncs, run_on_ranks
+from losses import NTXentLoss, SigLIPLoss
+from trainer import TrainConfig
+
+from launch import launch, one_line_errors
+
+BATCH = 7  # odd: the two ranks hold 4 and 3 samples
+CASES = [(loss, "mlp", chunks) for loss in LOSSES for chunks in (1, 3)]
+CASES += [(loss, "resnet18", chunks) for loss in ("ntxent", "siglip") for chunks in (1, 3)]
+
+
+def step_syncs_worker(rank: int, world_size: int, cases: list, control: bool) -> dict:
+    torch.manual_seed(0)
+    data = load_image_dataset()
+    seen = {}
+    for loss, model_name, chunks in cases:
+        config = TrainConfig(
+            model=model_name, loss=loss, accumulation_chunks=chunks, batch_size=BATCH
+        ).resolved()
+        method = SimCLRMethod(config, data, world_size, print)
+        model = DistributedDataParallel(method.model)
+        optimizer = make_optimizer(
+            config.optimizer, model.parameters(), lr=config.lr, momentum=0.9, weight_decay=5e-4
+        )
+        sizes = share_sizes(BATCH, world_size)
+        indices = range(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        batch = method.dataset.collate([method.dataset[(0, index)] for index in indices])
+        checks, counts = StepChecks(torch.device("cpu")), []
+        for step in range(2):  # DDP's first backward builds its buckets: count the second
+            with HostSyncs() as syncs:
+                value = cached_backward(
+                    model,
+                    batch.split(chunks),
+                    partial(method.loss, batch=batch, sizes=sizes),
+                    forward=partial(method.embed, model, step=step),
+                )
+                checks.record(step, value)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if control:
+                    next(model.parameters()).sum().item()
+            counts.append(syncs.seen)
+        seen[f"{loss}-{model_name}-K{chunks}"] = counts[-1]
+        with HostSyncs() as syncs:  # what a logging step reads: the checks and the loss
+            checks.raise_if_any()
+            value.item()
+        seen["logging step"] = syncs.seen
+    return seen
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1proc", "2proc"])
+def step_syncs(request):
+    return run_on_ranks(step_syncs_worker, request.param, CASES, False)
+
+
+@pytest.mark.parametrize("case", [f"{loss}-{model}-K{k}" for loss, model, k in CASES])
+def test_a_training_step_never_waits_for_the_device(step_syncs, case):
+    for rank, seen in enumerate(step_syncs):
+        print(f"rank {rank}, {case}: {seen[case]}")
+        assert seen[case] == [], f"rank {rank} synchronises in a {case} step: {seen[case]}"
+
+
+def test_a_logging_step_reads_the_checks_and_the_loss(step_syncs):
+    for rank, seen in enumerate(step_syncs):
+        print(f"rank {rank}, host syncs of a logging step: {seen['logging step']}")
+        assert len(seen["logging step"]) == 2  # the checks' flags and the loss
+
+
+def test_negative_control_one_item_per_step_is_counted():
+    seen = run_on_ranks(step_syncs_worker, 2, [("ntxent", "mlp", 1)], True)
+    for record in seen:
+        assert record["ntxent-mlp-K1"] == ["aten._local_scalar_dense.default"]
+
+
+def wrong_sizes_worker(rank: int, world_size: int, loss_name: str) -> str:
+    """Rank 1 holds 2 rows where the given sizes say 3: no hang, and one error on every
+    rank at the next check."""
+    sizes = [4, 3]
+    rows = 2 if rank == 1 else sizes[rank]
+    x0, x1 = torch.randn(rows, 8, requires_grad=True), torch.randn(rows, 8)
+    if loss_name == "siglip":
+        value = SigLIPLoss()(x0, x1, 10.0, -10.0, sizes=sizes)
+    else:
+        value = NTXentLoss()(x0, x1, sizes=sizes)
+    value.backward()  # the backward collective matches on every rank too
+    try:
+        StepChecks(torch.device("cpu")).raise_if_any()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("loss_name", ["ntxent", "siglip"])
+def test_wrong_given_sizes_fail_on_every_rank_at_the_next_check(loss_name):
+    messages = run_on_ranks(wrong_sizes_worker, 2, loss_name)
+    print(messages)
+    assert all("rank 1 has 2 rows where the given sizes say 3" in m for m in messages), messages
+
+
+def non_finite_worker(rank: int, world_size: int) -> list[str]:
+    checks, messages = StepChecks(torch.device("cpu")), []
+    for step in range(6):
+        bad = rank == 0 and step in (3, 5)  # one rank's loss, twice
+        checks.record(step, torch.tensor(float("nan") if bad else 1.0))
+        if step in (2, 5):  # logging steps
+            try:
+                checks.raise_if_any()
+                messages.append("no error")
+            except ValueError as error:
+                messages.append(str(error))
+    return messages
+
+
+def test_a_non_finite_loss_fails_every_rank_at_the_next_check_naming_its_step():
+    for messages in run_on_ranks(non_finite_worker, 2):
+        assert messages[0] == "no error"
+        assert "the loss is not finite at step 4" in messages[1], messages
+
+
+def test_trainer_stops_a_non_finite_run_on_every_rank_before_saving(tmp_path):
+    """SGD at lr 1e30 overflows the weights in its first step: the loss of step 2 is NaN.
+    The check at the first logging step stops both ranks; no checkpoint is written."""
+    output = tmp_path / "run"
+    result = launch(
+        2, "--model", "mlp", "--batch-size", "8", "--knn-k", "0", "--warmup-steps", "0",
+        "--lr", "1e30", "--max-steps", "6", "--log-every", "4", "--save-every", "4",
+        "--output-dir", str(output), check=False,
+    )  # fmt: skip
+    one_line_errors(result, "the loss is not finite at step 2", 2)
+    assert not list(output.glob("checkpoint-*")) and not (output / "final").exists()
