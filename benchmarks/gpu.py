@@ -11,6 +11,8 @@ Writes ``benchmarks/gpu_results.json`` and prints a table for the README:
   against a hand-written Accelerate loop with torch's own BatchNorm, each in a fresh
   process.
 - ``SyncBatchNormFunction`` forward+backward against ``F.batch_norm`` (one rank).
+- trainer.py compiled (Accelerate's ``dynamo_backend="inductor"``) against eager,
+  samples/s after its first steps (where it compiles).
 - host-device synchronisations per training step, counted with
   ``torch.cuda.set_sync_debug_mode("warn")`` over the trainer's steps.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 import warnings
@@ -86,15 +89,22 @@ def loss_table(device: torch.device, sizes: list[int], repeats: int) -> list[dic
 
 
 def _trainer_here(device: str, precision: str, kind: str, steps: int, batch_size: int) -> float:
-    """Samples/s of trainer.py or of the hand-written loop, in this (fresh) process."""
+    """Samples/s of trainer.py (eager, or compiled: ``kind`` "trainer_<dynamo backend>") or of
+    the hand-written loop, in this (fresh) process. A compiled run's rate leaves out its
+    first steps, where it compiles."""
     import tempfile
+    from pathlib import Path
 
     from accelerate import Accelerator
 
+    from benchmarks.compiled import WARMUP, step_seconds
     from benchmarks.throughput import hand_written_loop
     from trainer import TrainConfig, train
 
-    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
+    backend = kind.removeprefix("trainer_") if kind.startswith("trainer_") else "no"
+    accelerator = Accelerator(
+        cpu=device == "cpu", mixed_precision=precision, dynamo_backend=backend
+    )
     with tempfile.TemporaryDirectory() as output_dir:
         config = TrainConfig(
             lr=0.03,
@@ -102,18 +112,28 @@ def _trainer_here(device: str, precision: str, kind: str, steps: int, batch_size
             batch_size=batch_size,
             image_size=32,
             knn_k=0,
-            log_every=steps,
+            log_every=1 if backend != "no" else steps,
             output_dir=output_dir,
         )
-        if kind == "trainer":
-            return train(config, accelerator).metrics["samples_per_s"]
-        return hand_written_loop(config, accelerator)
+        if kind == "hand_written":
+            return hand_written_loop(config, accelerator)
+        metrics = train(config, accelerator).metrics
+        if backend == "no":
+            return metrics["samples_per_s"]
+        return batch_size / step_seconds(Path(output_dir), batch_size, min(WARMUP, steps // 2))
 
 
-def trainer_table(device: str, steps: int, batch_size: int, repeats: int) -> list[dict]:
+def trainer_table(
+    device: str, steps: int, batch_size: int, repeats: int, compiler: str, smoke: bool = False
+) -> list[dict]:
+    """trainer.py against the hand-written loop, and compiled by ``compiler`` (a dynamo
+    backend: inductor on a GPU; eager, dynamo alone, in the CPU smoke test, which
+    compiles in float32 only)."""
     rows = []
     for precision in ("no", "bf16"):
         samples_per_s: dict[str, list[float]] = {"trainer": [], "hand_written": []}
+        if not (smoke and precision == "bf16"):
+            samples_per_s[f"trainer_{compiler}"] = []
         for _ in range(repeats):
             for kind in samples_per_s:
                 # A fresh process each: AcceleratorState is one per process.
@@ -129,6 +149,8 @@ def trainer_table(device: str, steps: int, batch_size: int, repeats: int) -> lis
                 "precision": precision,
                 "samples_per_s": median,
                 "ratio": median["trainer"] / median["hand_written"],
+                "compiled": compiler if f"trainer_{compiler}" in median else None,
+                "compiled_ratio": median.get(f"trainer_{compiler}", math.nan) / median["trainer"],
             }
         )
         print(f"trainer {precision}: done", flush=True)
@@ -214,7 +236,12 @@ def run(device_name: str, quick: bool) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "loss": loss_table(device, [256] if quick else [4096, 16384, 65536], 2 if quick else 10),
         "trainer": trainer_table(
-            device_name, steps=3 if quick else 30, batch_size=16 if quick else 256, repeats=1
+            device_name,
+            steps=4 if quick else 30,
+            batch_size=16 if quick else 256,
+            repeats=1,
+            compiler="eager" if quick else "inductor",
+            smoke=quick,
         ),
         "sync_batchnorm": sync_batchnorm_cost(
             device, (8, 16, 8, 8) if quick else (256, 64, 32, 32), 2 if quick else 20
@@ -244,12 +271,22 @@ def table_lines(results: dict) -> list[str]:
         f"| {row['pairs']} | {loss_cell(row['ours'])} | {loss_cell(row['lightly'])} |"
         for row in results["loss"]
     ]
-    lines += ["", "| precision | trainer.py | hand-written loop | ratio |", "|---|---|---|---|"]
     lines += [
-        f"| {row['precision']} | {row['samples_per_s']['trainer']:.0f} samples/s "
-        f"| {row['samples_per_s']['hand_written']:.0f} samples/s | {row['ratio']:.3f} |"
-        for row in results["trainer"]
+        "",
+        "| precision | trainer.py | hand-written loop | ratio | trainer.py compiled "
+        "| compiled / eager |",
+        "|---|---|---|---|---|---|",
     ]
+    for row in results["trainer"]:
+        rates = row["samples_per_s"]
+        compiled = "not run" if row["compiled"] is None else (
+            f"{rates['trainer_' + row['compiled']]:.0f} samples/s ({row['compiled']})"
+        )  # fmt: skip
+        lines.append(
+            f"| {row['precision']} | {rates['trainer']:.0f} samples/s "
+            f"| {rates['hand_written']:.0f} samples/s | {row['ratio']:.3f} "
+            f"| {compiled} | {row['compiled_ratio']:.3f} |"
+        )
     bn = results["sync_batchnorm"]
     lines += [
         "",

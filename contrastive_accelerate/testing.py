@@ -536,9 +536,10 @@ class HostSyncs:
 
     Seen: reading a value (``item()``, ``bool()``, ``float()``: ``_local_scalar_dense``),
     data-dependent shapes (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
-    indexing with a boolean mask) and ``tolist()``, ``numpy()``, ``cpu()`` of a tensor. ``seen`` lists them in order.
-    Operators are seen through a ``TorchDispatchMode`` on this thread, so work in other
-    threads (the loader's workers, autograd's device threads) is not counted.
+    indexing with a boolean mask) and ``tolist()``, ``numpy()``, ``cpu()`` of a tensor.
+    ``seen`` lists them in order. Operators are seen through a ``TorchDispatchMode`` on
+    this thread, so work in other threads (the loader's workers, autograd's device
+    threads) is not counted.
     """
 
     _READS = (

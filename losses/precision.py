@@ -26,7 +26,12 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 @contextlib.contextmanager
 def autocast_off(device: torch.device) -> Iterator[None]:
-    """Disable autocast on ``device``'s type, so matmuls keep their inputs' dtype."""
+    """Disable autocast on ``device``'s type, so matmuls keep their inputs' dtype. Nothing
+    to do where autocast is off already: under ``torch.compile``, an autocast region that a
+    graph break (a collective) cuts in two fails to compile (torch 2.14.1)."""
+    if not torch.is_autocast_enabled(device.type):
+        yield
+        return
     with torch.autocast(device.type, enabled=False):
         yield
 
