@@ -4,6 +4,12 @@ Each returns this rank's share of the loss of the *global* batch: the mean of th
 returned values over ranks is the single-process loss, and DDP's gradient average is
 the single-process gradient, uneven batches and idle ranks included. Their
 collectives live in ``contrastive_accelerate.collectives``.
+
+Every ``forward`` also takes ``sizes=`` (keyword), every rank's number of samples when
+the caller knows them, as ``trainer.py``'s sampler does: the loss then exchanges
+nothing and reads no device value, and leaves value checks to the caller
+(``losses.inputs``). Without it, the sizes are exchanged and bad input raises a
+``ValueError`` on every rank at once.
 """
 
 from losses.clip import InfoNCELoss, SigLIPLoss
