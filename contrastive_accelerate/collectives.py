@@ -39,7 +39,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 #: all-reduce's traffic), an all-to-all of the row blocks summed locally (what
 #: ``torch.distributed.nn.all_gather`` does off NCCL), or an all-reduce and a slice.
 GATHER_BACKWARDS = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
-#: What ``backward="auto"`` uses on each backend, from ``python -m benchmarks.run`` (README,
+#: What ``backward="auto"`` uses on each backend, from ``python -m benchmarks.gather`` (README,
 #: gather backward table); any other backend gets a reduce-scatter.
 AUTO_BACKWARD = {"nccl": "reduce_scatter", "gloo": "all_to_all"}
 

@@ -57,7 +57,7 @@ class StepChecks:
         all-reduce and one read; the messages travel only when there is one)."""
         problems = take_deferred_problems()
         flags = torch.stack(
-            [self.first_non_finite, self.first_non_finite.new_tensor(-len(problems))]
+            [self.first_non_finite, torch.full_like(self.first_non_finite, -len(problems))]
         )
         if is_distributed():
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)

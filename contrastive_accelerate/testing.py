@@ -535,6 +535,7 @@ class HostSyncs:
         assert syncs.seen == []
 
     Seen: reading a value (``item()``, ``bool()``, ``float()``: ``_local_scalar_dense``),
+    building a tensor from host data (``torch.tensor``: a copy to the device),
     data-dependent shapes (``nonzero``, ``masked_select``, ``unique``, ``bincount``,
     indexing with a boolean mask) and ``tolist()``, ``numpy()``, ``cpu()`` of a tensor.
     ``seen`` lists them in order. Operators are seen through a ``TorchDispatchMode`` on
@@ -549,6 +550,7 @@ class HostSyncs:
         "aten._unique",
         "aten.unique",
         "aten.bincount",
+        "aten.lift_fresh",
     )
     _INDEXING = ("aten.index.Tensor", "aten.index_put")
     _HOST_COPIES = ("tolist", "numpy", "cpu")

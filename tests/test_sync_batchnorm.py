@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from contrastive_accelerate.compat import TorchDispatchMode
-from contrastive_accelerate.testing import run_on_ranks
+from contrastive_accelerate.testing import HostSyncs, run_on_ranks
 from models import SyncBatchNorm, convert_sync_batchnorm
 
 EXACT = 1e-10  # float64; only summation order differs from nn.BatchNorm
@@ -150,28 +149,12 @@ def test_numerically_stable_with_large_mean():
     assert worst <= 1e-3  # the true variance is ~4; cancellation would give O(1) or worse
 
 
-class _HostReads(TorchDispatchMode):
-    """Records the operators that make the host wait for a device: reading a tensor's value
-    (``.item()``, ``bool()``) and building a tensor from host data (a copy to the device)."""
-
-    WAITING = ("aten._local_scalar_dense", "aten.lift_fresh")
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith(self.WAITING):
-            self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def host_reads_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
     layer = SyncBatchNorm(CHANNELS)
     x = torch.randn(sizes[rank], *SHAPES[2], requires_grad=True)
-    with _HostReads() as step:
+    with HostSyncs() as step:
         layer(x).square().sum().backward()
-    with _HostReads() as control:  # the detector sees a read when there is one
+    with HostSyncs() as control:  # the detector sees a read when there is one
         bool(x.sum() > 0)
     return {"step": step.seen, "control": control.seen}
 
