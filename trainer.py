@@ -25,7 +25,14 @@ from tqdm.auto import tqdm
 
 from contrastive_accelerate.checkpoint import CheckpointError, RunDirectory, RunState, resume
 from contrastive_accelerate.compat import forget_prepared, prepared_count
-from contrastive_accelerate.config import ConfigError, option, parse_args, resume_rules, validate
+from contrastive_accelerate.config import (
+    ConfigError,
+    flag,
+    option,
+    parse_args,
+    resume_rules,
+    validate,
+)
 from contrastive_accelerate.data import (
     batches_per_epoch,
     load_image_dataset,
@@ -41,7 +48,7 @@ from contrastive_accelerate.launch import (
     one_line_errors,
 )
 from contrastive_accelerate.linear_probe import linear_probe_top1
-from contrastive_accelerate.methods import DTYPES, LOSSES, SimCLRMethod
+from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS
 from contrastive_accelerate.optim import OPTIMIZERS, make_optimizer, warmup_cosine
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
@@ -82,13 +89,15 @@ class TrainConfig:
     num_workers: int | None = option(
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
     )
-    # Model and loss
+    # Method, model and loss
+    method: str = option("simclr", "simclr (--loss), moco (v3) or byol", choices=METHODS)
     model: str = option("resnet18", "encoder", choices=BACKBONES)
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str = option("ntxent", "objective, exact on any number of processes", choices=LOSSES)
-    temperature: float = option(
-        0.5, "ntxent, dcl, dclw, supcon: temperature", resume="apply", above=0.0
-    )
+    temperature: float | None = option(
+        None, "ntxent, dcl, dclw, supcon, moco: temperature; none: 0.5, moco 0.2",
+        resume="apply", above=0.0,
+    )  # fmt: skip
     dclw_sigma: float = option(0.5, "dclw: scale of the vMF weights", resume="apply", above=0.0)
     supcon_rescale: bool = option(False, "supcon: loss times the temperature", resume="apply")
     logit_scale_init: float | None = option(
@@ -110,6 +119,11 @@ class TrainConfig:
     loss_tile_rows: int | None = option(
         None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
     )
+    teacher_momentum: float | None = option(
+        None, "moco, byol: EMA momentum at step 0, cosine to 1; none: 0.99, byol 0.996",
+        resume="apply", at_least=0.0, at_most=1.0,
+    )  # fmt: skip
+    queue_size: int = option(0, "moco: past keys kept as extra negatives; 0: none", at_least=0)
     dropout: float | None = option(
         None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
     )
@@ -167,11 +181,19 @@ class TrainConfig:
     data_sharding: str = option(
         "exact", "accelerate: padded batches", choices=("exact", "accelerate")
     )
+    queue_keys: str = option(
+        "global", "per-rank: lightly's default, each rank queues its own keys",
+        choices=("global", "per-rank"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)
         if self.overwrite_output_dir and self.resume_from:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
+        for name in METHOD_OPTIONS:
+            default = next(f.default for f in dataclasses.fields(self) if f.name == name)
+            if getattr(self, name) != default and name not in METHODS[self.method].options:
+                raise ConfigError(f"{flag(name)} does not apply to --method {self.method}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
             raise ConfigError(
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
@@ -185,14 +207,16 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """Every option left at None given its derived default: from the dataset (the
-        digits are 8x8), the model, and the loss's own row of ``LOSSES``."""
-        digits, row = self.dataset is None, LOSSES[self.loss]
+        digits are 8x8), the model, and the rows of ``LOSSES`` and ``METHODS``."""
+        digits = self.dataset is None
         derived = {
             "image_size": 8 if digits else 32,
             "dropout": 0.1 if self.model in VIT_SIZES else 0.0,
             "crop_min_scale": 0.5 if digits else 0.2,
             "optimizer": "sgd",
-            **row.defaults,
+            "temperature": 0.5,
+            **LOSSES[self.loss].defaults,
+            **METHODS[self.method].defaults,
         }
         values = {k: v for k, v in derived.items() if getattr(self, k) is None}
         config = dataclasses.replace(self, **values)
@@ -281,7 +305,14 @@ def _train(
 
     # Method and optimizer
     set_seed(config.seed)  # identical initial weights on every rank
-    method = SimCLRMethod(config, data, accelerator.num_processes, accelerator.print)
+    method = METHODS[config.method].build(
+        config,
+        data,
+        accelerator.num_processes,
+        accelerator.print,
+        total_steps=total_steps,
+        device=accelerator.device,
+    )
     if config.augmentation_seeding == "per-process":
         set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
     optimizer = make_optimizer(
@@ -305,7 +336,7 @@ def _train(
     if accelerator.is_main_process:
         run.log({"start_step": step, **dataclasses.asdict(state)})
     if own_accelerator:
-        accelerator.init_trackers("simclr", config=_flat_for_trackers(config))
+        accelerator.init_trackers(config.method, config=_flat_for_trackers(config))
     # Every rank evaluates its share of the kNN bank and queries (contrastive_accelerate.knn).
     knn = None
     if data.evaluation is not None:
@@ -356,7 +387,7 @@ def _train(
                 loss = cached_backward(
                     model,
                     batch.split(config.accumulation_chunks),
-                    partial(method.loss, batch=batch, sizes=sizes),
+                    partial(method.loss, batch=batch, sizes=sizes, step=step),
                     forward=partial(method.embed, model, step=step),
                     backward=accelerator.backward,
                 )
@@ -395,7 +426,9 @@ def _train(
     if knn is not None:
         metrics["knn_top1"] = _evaluate(accelerator, model, knn, config.knn_k, run, step)
         metrics |= _baselines_and_probe(accelerator, model, knn, config, run, step)
-    final = on_main_process(run.save_final, unwrapped, errors=(CheckpointError,))
+    final = on_main_process(
+        run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
+    )
     if accelerator.is_main_process:
         print(_summary(metrics, config.knn_k, final, knn), flush=True)
     return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)

@@ -157,13 +157,18 @@ def save_checkpoint(
     return final
 
 
-def save_final_model(output_dir: str, model) -> str:
-    """``model.save_pretrained`` into ``<output_dir>/final``, atomically."""
+def save_final_model(
+    output_dir: str, model, method_state: dict[str, torch.Tensor] | None = None
+) -> str:
+    """``model.save_pretrained`` into ``<output_dir>/final``, atomically, with the method's
+    state (a teacher, a queue) in ``method.safetensors`` when it has any."""
     final = os.path.join(output_dir, FINAL_DIR)
     partial = os.path.join(output_dir, f".{FINAL_DIR}.partial")
     try:
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial)
+        if method_state:
+            _write_tensors(os.path.join(partial, METHOD_FILE), method_state)
         _fsync_directory(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -422,9 +427,10 @@ class RunDirectory:
             self.prune(self.keep)
         return path
 
-    def save_final(self, model) -> str:
-        """The trained model in ``final/``, ``save_pretrained``'s format, atomically."""
-        return save_final_model(self.path, model)
+    def save_final(self, model, method_state: dict[str, torch.Tensor] | None = None) -> str:
+        """The trained model in ``final/``, ``save_pretrained``'s format, and the method's
+        state, atomically."""
+        return save_final_model(self.path, model, method_state)
 
     def claim(self, resume_from: str | None, overwrite: bool) -> str | None:
         """Lock the directory and apply the rules above; returns the checkpoint to resume."""

@@ -1,4 +1,4 @@
-"""Training methods: what the loop needs to know of one, and the SimCLR family.
+"""Training methods: what the loop needs to know of one, the SimCLR family, MoCo and BYOL.
 
 The loop (``trainer.py``) knows nothing of towers, views or losses. A method is an
 object with these members, and the loop calls nothing else of it:
@@ -10,14 +10,18 @@ object with these members, and the loop calls nothing else of it:
   ``unreadable`` lists the images that could not be decoded.
 - ``embed(model, chunk, step)``: one chunk as embeddings. It is the forward that
   ``cached_backward`` replays, so its randomness must be keyed by sample.
-- ``loss(outputs, batch, sizes)``: this rank's share of the loss of the global batch, from
-  the embeddings of all of this rank's chunks; ``sizes`` is every rank's number of samples
-  when the loop knows it (the losses then exchange nothing: ``losses.inputs``), else None.
+- ``loss(outputs, batch, sizes, step)``: this rank's share of the loss of the global
+  batch, from the embeddings of all of this rank's chunks; called once per step.
+  ``sizes`` is every rank's number of samples when the loop knows it (the losses then
+  exchange nothing: ``losses.inputs``), else None.
 - ``after_step(step)``: called after each optimizer step (an EMA teacher's update).
 - ``state_dict()`` / ``load_state_dict(state)``: tensors that persist across steps besides
   the model and the optimizer (a queue of past keys, a running center, a teacher's
-  weights), saved with every checkpoint. They must be the same on every rank, which
-  is what makes them resumable on another number of processes.
+  weights), saved with every checkpoint and the final model. They must be the same on
+  every rank, which is what makes them resumable on another number of processes.
+
+``METHODS`` has one row per ``--method``: how it is built, its own defaults, and the
+options only some methods read (set for another method, they are refused).
 
 How the next methods plug in, without a change to the loop:
 
@@ -25,11 +29,10 @@ How the next methods plug in, without a change to the loop:
   and a tokenized caption, or an anchor, a positive and hard negatives), an ``embed``
   that runs each column through its own tower, and a two-tower loss (InfoNCE, SigLIP,
   multiple-negatives ranking) whose positives sit at their global index.
-- Momentum teachers (MoCo, BYOL, DINO): the teacher lives outside ``model``, in float32;
-  ``after_step`` moves it towards the student with a momentum that is a function of the
-  step, and ``state_dict`` carries it with the queue or the center. Multi-crop is a
-  dataset that returns several crops per sample, batched per resolution, and an
-  ``embed`` that gives the teacher the global crops only.
+- DINO: ``MomentumMethod``'s teacher and schedule, a center in ``state_dict`` that is
+  the mean over the global batch (sums and counts all-reduced), and a dataset that
+  returns several crops per sample, batched per resolution, with an ``embed`` that
+  gives the teacher the global crops only.
 
 The SimCLR family is one method: two augmented views of each image through one
 encoder, scored by one of ``LOSSES``. Adding a loss to it is one row of that table,
@@ -46,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contrastive_accelerate import collectives
+from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import TwoViewBatch, TwoViews, label_ids
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.grad_cache import has_batch_statistics
@@ -55,6 +60,8 @@ from losses import (
     DCLLoss,
     DCLWLoss,
     InfoNCELoss,
+    MoCoLoss,
+    NegativeCosineSimilarityLoss,
     NTXentLoss,
     SigLIPLoss,
     SupConLoss,
@@ -67,6 +74,7 @@ from models import (
     sample_keys,
     sample_randomness,
 )
+from models.momentum import EMATeacher, KeyQueue, cosine_momentum
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -172,6 +180,81 @@ LOSSES: dict[str, LossRow] = {
 }
 
 
+def two_views_dataset(config, data: ImageData) -> TwoViews:
+    """Two augmented views of each image, drawn from (seed, epoch, index, view)."""
+    return TwoViews(
+        data.train,
+        data.image_column,
+        config.image_size,
+        config.seed,
+        config.augment,
+        per_sample_seed=config.augmentation_seeding == "per-sample",
+        crop_min_scale=config.crop_min_scale,
+    )
+
+
+def image_model(
+    config, world_size: int, say: Callable[[str], Any], head: tuple[int, int, int], **heads
+) -> SimCLR:
+    """The encoder and its head (``heads``: a learnable scale, a predictor), with global
+    BatchNorm statistics and dropout keyed by sample where the options ask for them."""
+    layers, hidden, width = head
+    model = SimCLR(
+        backbone=config.model,
+        image_size=config.image_size,
+        projection_layers=layers,
+        projection_hidden_dim=hidden,
+        projection_dim=width,
+        dropout=config.dropout,
+        **heads,
+    ).to(DTYPES[config.dtype])
+    if world_size > 1 and config.sync_batchnorm:
+        model = convert_sync_batchnorm(model)
+    chunks = config.accumulation_chunks
+    if config.dropout and config.dropout_masks == "per-sample":
+        model = convert_sample_dropout(model)  # masks keyed by sample: see embed_two_views
+    elif config.dropout and (world_size > 1 or chunks > 1):
+        say(
+            "warning: --dropout-masks per-process draws masks from each process's RNG: "
+            "training is not world-size invariant, and the chunks' recompute draws new masks"
+        )
+    if chunks > 1 and has_batch_statistics(model):
+        say(
+            f"warning: with --accumulation-chunks {chunks} BatchNorm normalises each chunk "
+            "with that chunk's statistics: the gradient is not that of the whole batch in "
+            "one pass (a BatchNorm-free model, e.g. vit_tiny or mlp, makes it exact)"
+        )
+    return model
+
+
+def embed_two_views(
+    model: nn.Module, chunk: TwoViewBatch, seed: int, step: int, views: tuple[int, int] = (0, 1)
+) -> torch.Tensor:
+    """Both views of a chunk in one forward (BatchNorm sees them together, as in SimCLR),
+    view 0's rows first; dropout keyed by (seed, step, each sample's index, ``views``)."""
+    parameter = next(model.parameters())
+    # Each view goes to the device as it comes from the loader (pinned on CUDA, so the
+    # copies are asynchronous), then they are joined there: a join on the host would copy
+    # them into unpinned memory first, whose upload makes the host wait.
+    images = torch.cat(
+        [
+            view.to(parameter.device, parameter.dtype, non_blocking=True)
+            for view in (chunk.view0, chunk.view1)
+        ]
+    )
+    keys = torch.cat([sample_keys(seed, step, chunk.indices, view) for view in views])
+    # A few hundred int64s from unpinned memory: staged by the driver, no wait either.
+    with sample_randomness(keys.to(parameter.device, non_blocking=True)):
+        return model(images)
+
+
+def _view_halves(outputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chunk's view-0 rows, then every chunk's view-1 rows."""
+    z0 = torch.cat([output[: len(output) // 2] for output in outputs])
+    z1 = torch.cat([output[len(output) // 2 :] for output in outputs])
+    return z0, z1
+
+
 class SimCLRMethod:
     """Two augmented views of each image through one encoder and head, scored by
     ``LOSSES[config.loss]`` over the global batch (SimCLR: Chen et al., 2020).
@@ -184,49 +267,30 @@ class SimCLRMethod:
 
         method = SimCLRMethod(TrainConfig(model="mlp").resolved(), load_image_dataset(), 1, print)
         batch = method.dataset.collate([method.dataset[(0, index)] for index in range(8)])
-        loss = method.loss([method.embed(method.model, batch, step=0)], batch, sizes=None)
+        loss = method.loss([method.embed(method.model, batch, 0)], batch, sizes=None, step=0)
     """
 
-    def __init__(self, config, data: ImageData, world_size: int, say: Callable[[str], Any]):
+    def __init__(
+        self,
+        config,
+        data: ImageData,
+        world_size: int,
+        say: Callable[[str], Any],
+        *,
+        total_steps: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
         row = LOSSES[config.loss]
-        self.seed, self.dtype = config.seed, DTYPES[config.dtype]
-        self.dataset = TwoViews(
-            data.train,
-            data.image_column,
-            config.image_size,
-            config.seed,
-            config.augment,
-            per_sample_seed=config.augmentation_seeding == "per-sample",
-            crop_min_scale=config.crop_min_scale,
-        )
-        layers, hidden, width = row.head
-        model = SimCLR(
-            backbone=config.model,
-            image_size=config.image_size,
-            projection_layers=layers,
-            projection_hidden_dim=hidden,
-            projection_dim=width,
+        self.seed = config.seed
+        self.dataset = two_views_dataset(config, data)
+        self.model = image_model(
+            config,
+            world_size,
+            say,
+            row.head,
             logit_scale=config.logit_scale_init if "logit_scale_init" in row.options else None,
             logit_bias=config.logit_bias_init if "logit_bias_init" in row.options else None,
-            dropout=config.dropout,
-        ).to(self.dtype)
-        if world_size > 1 and config.sync_batchnorm:
-            model = convert_sync_batchnorm(model)
-        chunks = config.accumulation_chunks
-        if config.dropout and config.dropout_masks == "per-sample":
-            model = convert_sample_dropout(model)  # masks keyed by sample: see embed
-        elif config.dropout and (world_size > 1 or chunks > 1):
-            say(
-                "warning: --dropout-masks per-process draws masks from each process's RNG: "
-                "training is not world-size invariant, and the chunks' recompute draws new masks"
-            )
-        if chunks > 1 and has_batch_statistics(model):
-            say(
-                f"warning: with --accumulation-chunks {chunks} BatchNorm normalises each chunk "
-                "with that chunk's statistics: the gradient is not that of the whole batch in "
-                "one pass (a BatchNorm-free model, e.g. vit_tiny or mlp, makes it exact)"
-            )
-        self.model = model
+        )
         self.row, self.criterion = row, row.make(config)
         self.labels = None
         if row.labels:
@@ -238,25 +302,18 @@ class SimCLRMethod:
             self.labels = label_ids(data.train, data.label_column)
 
     def embed(self, model: nn.Module, chunk: TwoViewBatch, step: int) -> torch.Tensor:
-        """The projections of one chunk's two views, in one forward (BatchNorm sees them
-        together, as in SimCLR); dropout keyed by each sample's dataset index."""
-        device = next(model.parameters()).device
-        # Each view goes to the device as it comes from the loader (pinned on CUDA, so the
-        # copies are asynchronous), then they are joined there: a join on the host would copy
-        # them into unpinned memory first, whose upload makes the host wait.
-        views = (chunk.view0, chunk.view1)
-        images = torch.cat([view.to(device, self.dtype, non_blocking=True) for view in views])
-        keys = torch.cat([sample_keys(self.seed, step, chunk.indices, view) for view in (0, 1)])
-        # A few hundred int64s from unpinned memory: staged by the driver, no wait either.
-        with sample_randomness(keys.to(device, non_blocking=True)):
-            return model(images)
+        """The projections of one chunk's two views (``embed_two_views``)."""
+        return embed_two_views(model, chunk, self.seed, step)
 
     def loss(
-        self, outputs: list[torch.Tensor], batch: TwoViewBatch, sizes: list[int] | None
+        self,
+        outputs: list[torch.Tensor],
+        batch: TwoViewBatch,
+        sizes: list[int] | None,
+        step: int,
     ) -> torch.Tensor:
         """The loss of this rank's whole share, from every chunk's ``embed`` output."""
-        z0 = torch.cat([output[: len(output) // 2] for output in outputs])
-        z1 = torch.cat([output[len(output) // 2 :] for output in outputs])
+        z0, z1 = _view_halves(outputs)
         labels = None if self.labels is None else self.labels[batch.indices].to(z0.device)
         return self.row.call(self.criterion, self.model, z0, z1, labels, sizes)
 
@@ -272,3 +329,149 @@ class SimCLRMethod:
                 f"the checkpoint carries method state ({', '.join(sorted(state))}) that "
                 "--method simclr does not have"
             )
+
+
+class MomentumMethod:
+    """MoCo v3 (Chen et al., 2021) or BYOL (Grill et al., 2020): a student with a
+    predictor, and an EMA teacher (``models.momentum``) that gives each view's target.
+
+    - ``moco``: ``2 t (MoCoLoss(q0, k1) + MoCoLoss(q1, k0))`` over the keys of the global
+      batch, and with ``--queue-size`` MoCo v2's queue of past keys as extra negatives:
+      the global batch's normalised keys of both views, pushed after each step.
+    - ``byol``: ``(NegCos(p0, t1) + NegCos(p1, t0)) / 2``, lightly's form of BYOL.
+
+    The teacher sees both views in one forward in training mode (its BatchNorm takes
+    batch statistics, global with SyncBatchNorm), once per step, whatever the number of
+    chunks; its dropout is keyed by views 2 and 3. After each optimizer step it moves
+    towards the student with ``cosine_momentum(step + 1, ...)``, which is where MoCo v3
+    and lightly update it: before the next step's keys. Its weights and the queue are
+    the method's state: every checkpoint and ``final/method.safetensors`` carry them.
+    """
+
+    def __init__(
+        self,
+        config,
+        data: ImageData,
+        world_size: int,
+        say: Callable[[str], Any],
+        *,
+        total_steps: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.name, self.seed, self.total_steps = config.method, config.seed, total_steps
+        self.base_momentum = config.teacher_momentum
+        self.dataset = two_views_dataset(config, data)
+        self.model = image_model(
+            config, world_size, say, SIMCLR_HEAD, prediction_hidden_dim=SIMCLR_HEAD[1]
+        )
+        self.teacher = EMATeacher(self.model, without=("predictor",)).to(device)
+        if config.method == "moco":
+            self.temperature = config.temperature
+            self.criterion = MoCoLoss(
+                config.temperature,
+                gather_distributed=config.gather,
+                tile_rows=config.loss_tile_rows,
+            )
+        else:
+            self.criterion = NegativeCosineSimilarityLoss(gather_distributed=config.gather)
+        self.queue = (
+            KeyQueue(config.queue_size, SIMCLR_HEAD[2], self.teacher.dtype, device)
+            if config.queue_size
+            else None
+        )
+        self.global_queue = config.queue_keys == "global"
+        self._new_keys: tuple[torch.Tensor, list[int] | None] | None = None
+
+    def embed(self, model: nn.Module, chunk: TwoViewBatch, step: int) -> torch.Tensor:
+        """The student's predictions of one chunk's two views (``embed_two_views``)."""
+        return embed_two_views(model, chunk, self.seed, step)
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: TwoViewBatch,
+        sizes: list[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        p0, p1 = _view_halves(outputs)
+        with torch.no_grad():
+            targets = embed_two_views(self.teacher, batch, self.seed, step, views=(2, 3))
+        t0, t1 = targets[: len(targets) // 2], targets[len(targets) // 2 :]
+        if self.name == "byol":
+            return 0.5 * (self.criterion(p0, t1, sizes=sizes) + self.criterion(p1, t0, sizes=sizes))
+        k0, k1 = F.normalize(t0, dim=1), F.normalize(t1, dim=1)
+        queue = None
+        if self.queue is not None:
+            queue = self.queue.keys()
+            # Both views' keys in one gather after the step (``after_step``).
+            self._new_keys = (torch.cat([k0, k1], dim=1), sizes)
+        loss = self.criterion(p0, k1, queue, sizes=sizes) + self.criterion(
+            p1, k0, queue, sizes=sizes
+        )
+        return 2 * self.temperature * loss
+
+    def after_step(self, step: int) -> None:
+        """The teacher's EMA update, and this step's keys into the queue."""
+        self.teacher.update(
+            self.model, cosine_momentum(step + 1, self.total_steps, self.base_momentum)
+        )
+        if self._new_keys is not None:
+            keys, sizes = self._new_keys
+            if self.global_queue and is_distributed():
+                keys = collectives.gather(keys, sizes=sizes)
+            width = keys.shape[1] // 2
+            self.queue.push(torch.cat([keys[:, :width], keys[:, width:]]))  # view 0, then view 1
+            self._new_keys = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {
+            f"teacher.{name}": value for name, value in self.teacher.network.state_dict().items()
+        }
+        return state | (self.queue.state_dict() if self.queue is not None else {})
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        teacher = {
+            name[len("teacher.") :]: v for name, v in state.items() if name.startswith("teacher.")
+        }
+        rest = {name: v for name, v in state.items() if not name.startswith("teacher.")}
+        if not teacher:
+            raise TrainerError(f"the checkpoint has no teacher weights for --method {self.name}")
+        if (self.queue is None) != ("queue" not in rest):
+            has = "has a queue" if "queue" in rest else "has no queue"
+            size = self.queue.size if self.queue is not None else 0
+            raise TrainerError(f"the checkpoint {has}, and this run's --queue-size is {size}")
+        expected = set(self.teacher.network.state_dict())
+        if set(teacher) != expected:
+            raise TrainerError("the checkpoint's teacher weights do not match this run's model")
+        self.teacher.network.load_state_dict(teacher)
+        if self.queue is not None:
+            self.queue.load_state_dict(rest)
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    """One ``--method``."""
+
+    build: Callable[..., Any]
+    #: Its own defaults for options left at None.
+    defaults: dict[str, Any] = field(default_factory=dict)
+    #: Which of ``METHOD_OPTIONS`` it reads.
+    options: tuple[str, ...] = ()
+
+
+#: Options that only some methods read: a value other than the default is refused elsewhere.
+METHOD_OPTIONS = ("loss", "teacher_momentum", "queue_size", "queue_keys")
+
+METHODS: dict[str, MethodRow] = {
+    "simclr": MethodRow(SimCLRMethod, options=("loss",)),
+    "moco": MethodRow(
+        MomentumMethod,
+        defaults={"temperature": 0.2, "teacher_momentum": 0.99},  # MoCo v3's
+        options=("teacher_momentum", "queue_size", "queue_keys"),
+    ),
+    "byol": MethodRow(
+        MomentumMethod,
+        defaults={"teacher_momentum": 0.996},
+        options=("teacher_momentum",),  # BYOL's
+    ),
+}

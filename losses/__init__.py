@@ -14,6 +14,7 @@ nothing and reads no device value, and leaves value checks to the caller
 
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
+from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
 from losses.redundancy import BarlowTwinsLoss, VICRegLoss
 from losses.supcon import SupConLoss
@@ -23,6 +24,8 @@ __all__ = [
     "DCLLoss",
     "DCLWLoss",
     "InfoNCELoss",
+    "MoCoLoss",
+    "NegativeCosineSimilarityLoss",
     "NTXentLoss",
     "SigLIPLoss",
     "SupConLoss",

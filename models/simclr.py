@@ -1,4 +1,5 @@
-"""SimCLR: an encoder followed by a projection head, saved HF-style (safetensors + config.json)."""
+"""SimCLR: an encoder and a projection head (and BYOL's and MoCo v3's predictor), saved
+HF-style (safetensors + config.json)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     CLIP learns it (pass ``log_logit_scale.exp()`` to the loss), and ``logit_bias``. For
     images of at most ``small_image_max_size`` pixels the ResNet stem is the CIFAR one
     (3x3 stride-1 conv, no max-pool), as in the SimCLR paper's CIFAR-10 runs.
+    ``prediction_hidden_dim`` adds BYOL's and MoCo v3's predictor after the head, an MLP
+    of the head's shape (BatchNorm for the ResNets) from ``projection_dim`` to itself:
+    ``forward`` then returns predictions, and a momentum teacher made without it
+    (``models.momentum.EMATeacher(model, without=("predictor",))``) returns projections.
 
     Example::
 
@@ -52,6 +57,7 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         logit_scale: float | None = None,
         logit_bias: float | None = None,
         dropout: float = 0.0,
+        prediction_hidden_dim: int | None = None,
     ) -> None:
         super().__init__()
         if backbone not in BACKBONES:
@@ -67,6 +73,19 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         )
         self.logit_bias = (
             nn.Parameter(torch.tensor(float(logit_bias))) if logit_bias is not None else None
+        )
+        # BatchNorm in the predictor where the head has it (BYOL, MoCo v3's ResNets).
+        self.predictor = (
+            _head(
+                projection_dim,
+                prediction_hidden_dim,
+                projection_dim,
+                2,
+                batch_norm=backbone not in ("mlp", *VIT_SIZES),
+                after_linear=False,
+            )
+            if prediction_hidden_dim is not None
+            else None
         )
         if backbone == "mlp":
             hidden = 256
@@ -114,7 +133,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         return self.encoder(images)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.projection_head(self.encoder(images))
+        projections = self.projection_head(self.encoder(images))
+        return projections if self.predictor is None else self.predictor(projections)
 
 
 def _vision_transformer(name: str, image_size: int, dropout: float) -> nn.Module:

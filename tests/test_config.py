@@ -34,7 +34,12 @@ def _other_value(field: dataclasses.Field):
 VALUES = {field.name: _other_value(field) for field in FIELDS}
 VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is valid
 # Options valid only beside another option's value.
-COMPANIONS = {"dropout": ["--model", "mlp"]}
+COMPANIONS = {
+    "dropout": ["--model", "mlp"],
+    "teacher_momentum": ["--method", "moco"],
+    "queue_size": ["--method", "moco"],
+    "queue_keys": ["--method", "moco"],
+}
 
 
 def _cli(name: str, value) -> list[str]:
@@ -61,8 +66,12 @@ def test_derived_defaults_are_resolved_in_one_place():
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
-        expected = set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
+        expected = {"teacher_momentum"}  # no teacher
+        expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
         assert left == expected, (loss, left)
+    for method, temperature, momentum in (("moco", 0.2, 0.99), ("byol", 0.5, 0.996)):
+        resolved = TrainConfig(method=method).resolved()
+        assert (resolved.temperature, resolved.teacher_momentum) == (temperature, momentum)
     assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
     assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
 
@@ -77,9 +86,11 @@ def test_every_field_is_settable_from_the_command_line(field):
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
-    # --overwrite-output-dir and --resume-from exclude each other: one file each.
-    for excluded in ("overwrite_output_dir", "resume_from"):
-        values = {name: value for name, value in VALUES.items() if name != excluded}
+    # --overwrite-output-dir and --resume-from exclude each other, and --loss (simclr's)
+    # the momentum methods' options: every field is in one of two files.
+    momentum = {"method", "teacher_momentum", "queue_size", "queue_keys"}
+    for excluded in ({"overwrite_output_dir", "loss"}, {"resume_from", *momentum}):
+        values = {name: value for name, value in VALUES.items() if name not in excluded}
         path = tmp_path / f"run{suffix}"
         text = json.dumps(values) if suffix == ".json" else yaml.safe_dump(values)
         path.write_text(text)
@@ -154,3 +165,18 @@ def test_usage_errors_are_one_line(capfd):
         assert exit_info.value.code == 2
         lines = capfd.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), lines
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"method": "moco", "loss": "dcl"}, "--loss does not apply to --method moco"),
+        ({"method": "byol", "queue_size": 8}, "--queue-size does not apply to --method byol"),
+        ({"teacher_momentum": 0.99}, "--teacher-momentum does not apply to --method simclr"),
+        ({"method": "moco", "teacher_momentum": 1.5}, "--teacher-momentum 1.5: must be"),
+        ({"method": "moco", "teacher_momentum": -0.1}, "--teacher-momentum -0.1: must be"),
+    ],
+)
+def test_options_of_another_method_are_refused(options, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**options)

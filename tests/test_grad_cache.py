@@ -248,7 +248,7 @@ def test_every_loss_through_the_methods_chunks(loss, digits):
         cached_backward(
             method.model,
             batch.split(chunks),
-            partial(method.loss, batch=batch, sizes=None),
+            partial(method.loss, batch=batch, sizes=None, step=3),
             forward=partial(method.embed, method.model, step=3),
         )
         gradients[chunks] = _gradients(method.model)

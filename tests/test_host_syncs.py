@@ -59,7 +59,7 @@ def step_syncs_worker(rank: int, world_size: int, cases: list, control: bool) ->
                 value = cached_backward(
                     model,
                     batch.split(chunks),
-                    partial(method.loss, batch=batch, sizes=sizes),
+                    partial(method.loss, batch=batch, sizes=sizes, step=step),
                     forward=partial(method.embed, model, step=step),
                 )
                 checks.record(step, value)
