@@ -4,8 +4,9 @@ On a GPU every read of a device value (``item()``, a tensor in an ``if``, a shap
 depends on the data) stalls the host until the device queue drains, once per read and
 step. The same operators are visible on the CPU to ``HostSyncs``, so this test runs the
 trainer's step (the method's embed and loss through ``cached_backward`` given the
-sampler's sizes, DDP, the optimizer, the step's checks) on 2 gloo processes for every
-row of the loss table and counts them; a logging step's reads are counted apart.
+sampler's sizes, DDP, the optimizer, the step's checks, the method's ``after_step``) on
+2 gloo processes for every row of the loss table and every momentum method (teacher
+update, queue) and counts them; a logging step's reads are counted apart.
 
 What the losses no longer check per step is checked at logging and saving steps
 (``ranks.StepChecks``): a non-finite loss and wrong given sizes still stop every rank
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from contrastive_accelerate.data import load_image_dataset, share_sizes
 from contrastive_accelerate.grad_cache import cached_backward
-from contrastive_accelerate.methods import LOSSES, SimCLRMethod
+from contrastive_accelerate.methods import LOSSES, METHODS
 from contrastive_accelerate.optim import make_optimizer
 from contrastive_accelerate.ranks import StepChecks
 from contrastive_accelerate.testing import HostSyncs, run_on_ranks
@@ -32,20 +33,30 @@ from trainer import TrainConfig
 from launch import launch, one_line_errors
 
 BATCH = 7  # odd: the two ranks hold 4 and 3 samples
+#: --loss values of simclr, then the other methods: (name, model, chunks).
 CASES = [
-    (loss, model, chunks) for model in ("mlp", "resnet18") for loss in LOSSES for chunks in (1, 3)
+    (name, model, chunks)
+    for model in ("mlp", "resnet18")
+    for name in (*LOSSES, *(method for method in METHODS if method != "simclr"))
+    for chunks in (1, 3)
 ]
+
+
+def _config(name: str, model: str, chunks: int) -> TrainConfig:
+    shared = {"model": model, "accumulation_chunks": chunks, "batch_size": BATCH}
+    if name in LOSSES:
+        return TrainConfig(loss=name, **shared).resolved()
+    queue = {"queue_size": 10} if name == "moco" else {}  # pushed and wrapped every step
+    return TrainConfig(method=name, **queue, **shared).resolved()
 
 
 def step_syncs_worker(rank: int, world_size: int, cases: list, control: bool) -> dict:
     torch.manual_seed(0)
     data = load_image_dataset()
     seen = {}
-    for loss, model_name, chunks in cases:
-        config = TrainConfig(
-            model=model_name, loss=loss, accumulation_chunks=chunks, batch_size=BATCH
-        ).resolved()
-        method = SimCLRMethod(config, data, world_size, print)
+    for name, model_name, chunks in cases:
+        config = _config(name, model_name, chunks)
+        method = METHODS[config.method].build(config, data, world_size, print, total_steps=10)
         model = DistributedDataParallel(method.model)
         optimizer = make_optimizer(
             config.optimizer, model.parameters(), lr=config.lr, momentum=0.9, weight_decay=5e-4
@@ -65,10 +76,11 @@ def step_syncs_worker(rank: int, world_size: int, cases: list, control: bool) ->
                 checks.record(step, value)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                method.after_step(step)
                 if control:
                     next(model.parameters()).sum().item()
             counts.append(syncs.seen)
-        seen[f"{loss}-{model_name}-K{chunks}"] = counts[-1]
+        seen[f"{name}-{model_name}-K{chunks}"] = counts[-1]
         with HostSyncs() as syncs:  # what a logging step reads: the checks and the loss
             checks.raise_if_any()
             value.item()
@@ -81,7 +93,7 @@ def step_syncs(request):
     return run_on_ranks(step_syncs_worker, request.param, CASES, False)
 
 
-@pytest.mark.parametrize("case", [f"{loss}-{model}-K{k}" for loss, model, k in CASES])
+@pytest.mark.parametrize("case", [f"{name}-{model}-K{k}" for name, model, k in CASES])
 def test_a_training_step_never_waits_for_the_device(step_syncs, case):
     for rank, seen in enumerate(step_syncs):
         print(f"rank {rank}, {case}: {seen[case]}")

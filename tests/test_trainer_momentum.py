@@ -1,0 +1,145 @@
+"""MoCo and BYOL through trainer.py on 1, 2 and 3 processes: student, teacher and queue.
+
+float64, augmentations and (mlp) dropout keyed by sample on, and 20 images in global
+batches of 6: every epoch ends with a batch of 2, which 3 processes split 1 + 1 + 0, so
+one rank idles. The queue holds 10 keys while each step pushes 12, so it is never a
+multiple of the batch and wraps mid-batch. Each negative control removes one mechanism.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from contrastive_accelerate.ckpt_diff import max_abs_diff
+
+from launch import launch, make_image_folder, one_line_errors
+
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+COMMON = ["--dtype", "float64", "--batch-size", "6", "--augment", "--lr", "0.1",
+          "--knn-k", "0", "--log-every", "4", "--max-steps", "8", "--save-every", "3"]  # fmt: skip
+MLP = ["--model", "mlp", "--image-size", "8", "--dropout", "0.1"]
+# 16 px, as tests/test_invariance.py explains for ResNet-18 on short batches.
+RESNET = ["--model", "resnet18", "--image-size", "16"]
+MOCO = ["--method", "moco", "--queue-size", "10", *MLP]
+BYOL = ["--method", "byol", *MLP]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> str:
+    return str(make_image_folder(tmp_path_factory.mktemp("images"), count=20, size=10))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, images):
+    cache: dict[tuple, Path] = {}
+
+    def get(processes: int, *flags: str) -> Path:
+        key = (processes, flags)
+        if key not in cache:
+            output = tmp_path_factory.mktemp("run")
+            launch(processes, *COMMON, "--dataset", images, *flags, "--output-dir", str(output))
+            cache[key] = output
+        return cache[key]
+
+    return get
+
+
+def differences(a: Path, b: Path) -> tuple[float, float]:
+    """Max abs difference of the final students, and of the final method states."""
+    return (
+        max_abs_diff(str(a / "final"), str(b / "final")),
+        max_abs_diff(
+            str(a / "final" / "method.safetensors"), str(b / "final" / "method.safetensors")
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, processes",
+    [(MOCO, 2), (MOCO, 3), (BYOL, 3), (["--method", "byol", *RESNET], 3)],
+    ids=["moco+queue-2", "moco+queue-3", "byol-3", "byol-resnet18-syncbn-3"],
+)
+def test_momentum_methods_are_world_size_invariant(runs, flags, processes):
+    student, state = differences(runs(1, *flags), runs(processes, *flags))
+    name = " ".join(flags[:2])
+    print(f"{name}, 1 vs {processes} processes: student {student:.1e}, method state {state:.1e}")
+    assert student <= EXACT and state <= EXACT
+
+
+def test_the_method_state_holds_the_teacher_and_the_whole_queue(runs):
+    state = load_file(str(runs(1, *MOCO) / "final" / "method.safetensors"))
+    assert state["queue"].shape == (10, 128)  # full: 8 steps pushed 12 keys each
+    assert torch.allclose(state["queue"].norm(dim=1), torch.ones(10, dtype=torch.float64))
+    assert any(name.startswith("teacher.encoder.") for name in state)
+    assert not any("predictor" in name for name in state)
+
+
+def test_control_a_per_rank_queue_is_not_invariant(runs):
+    """lightly's default: each rank queues only its own keys."""
+    student, state = differences(runs(1, *MOCO), runs(2, *MOCO, "--queue-keys", "per-rank"))
+    print(f"per-rank queue, 1 vs 2 processes: student {student:.1e}, state {state:.1e}")
+    assert student > 1e3 * EXACT
+
+
+def _resume(images: str, processes: int, checkpoint: Path, output: Path) -> Path:
+    launch(processes, *COMMON, "--dataset", images, *MOCO, "--output-dir", str(output),
+           "--resume-from", str(checkpoint))  # fmt: skip
+    return output
+
+
+def test_mid_epoch_resume_with_teacher_and_queue_in_flight_is_exact(runs, images, tmp_path):
+    """Step 3 of 4-step epochs: the queue is full and has wrapped, the teacher has moved."""
+    straight = runs(1, *MOCO)
+    resumed = _resume(images, 1, straight / "checkpoint-3", tmp_path / "resumed")
+    student, state = differences(straight, resumed)
+    print(f"moco resumed at step 3: student {student:.1e}, state {state:.1e}")
+    assert student == 0.0 and state == 0.0
+
+
+def test_resume_on_another_number_of_processes(runs, images, tmp_path):
+    straight = runs(2, *MOCO)
+    resumed = _resume(images, 3, straight / "checkpoint-3", tmp_path / "resumed")
+    student, state = differences(straight, resumed)
+    print(f"moco 2 processes resumed on 3: student {student:.1e}, state {state:.1e}")
+    assert student <= EXACT and state <= EXACT
+
+
+def test_control_a_queue_left_out_of_the_checkpoint(runs, images, tmp_path):
+    """The checkpoint's queue emptied, as a bank saved with ``persistent=False`` would be."""
+    straight = runs(1, *MOCO)
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(straight / "checkpoint-3", checkpoint)
+    state = load_file(str(checkpoint / "method.safetensors"))
+    state["queue"] = state["queue"][:0].contiguous()
+    save_file(state, str(checkpoint / "method.safetensors"))
+    student, _ = differences(straight, _resume(images, 1, checkpoint, tmp_path / "resumed"))
+    print(f"queue left out of the checkpoint: student {student:.1e}")
+    assert student > 1e3 * EXACT
+
+
+def test_a_queue_option_for_byol_is_one_line_on_every_rank(tmp_path):
+    result = launch(2, "--method", "byol", "--queue-size", "8", "--output-dir", str(tmp_path),
+                    check=False)  # fmt: skip
+    one_line_errors(result, "--queue-size does not apply to --method byol", 2)
+
+
+def test_gradient_caching_chunks_leave_moco_unchanged(runs):
+    """The teacher sees each rank's whole share once per step, whatever the chunks."""
+    student, state = differences(runs(2, *MOCO), runs(2, *MOCO, "--accumulation-chunks", "3"))
+    print(f"moco on 2 processes, K=3 vs K=1: student {student:.1e}, method state {state:.1e}")
+    assert student <= EXACT and state <= EXACT
+
+
+def test_the_teacher_stays_float32_under_bf16_mixed_precision(images, tmp_path):
+    launch(1, *COMMON, "--dataset", images, *MOCO, "--dtype", "float32", "--output-dir",
+           str(tmp_path), launcher_flags=["--mixed_precision", "bf16"])  # fmt: skip
+    state = load_file(str(tmp_path / "final" / "method.safetensors"))
+    assert {tensor.dtype for tensor in state.values() if tensor.is_floating_point()} == {
+        torch.float32
+    }
+    assert all(torch.isfinite(tensor).all() for tensor in state.values())
