@@ -52,6 +52,7 @@ from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHO
 from contrastive_accelerate.optim import OPTIMIZERS, make_optimizer, warmup_cosine
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
+from losses.dino import CENTER_FORMULAS
 from models import BACKBONES
 from models.simclr import VIT_SIZES
 
@@ -90,12 +91,12 @@ class TrainConfig:
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
     )
     # Method, model and loss
-    method: str = option("simclr", "simclr (--loss), moco (v3) or byol", choices=METHODS)
+    method: str = option("simclr", "simclr (--loss), moco (v3), byol or dino", choices=METHODS)
     model: str = option("resnet18", "encoder", choices=BACKBONES)
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str = option("ntxent", "objective, exact on any number of processes", choices=LOSSES)
     temperature: float | None = option(
-        None, "ntxent, dcl, dclw, supcon, moco: temperature; none: 0.5, moco 0.2",
+        None, "ntxent, dcl, dclw, supcon, moco, dino student; none: 0.5, moco 0.2, dino 0.1",
         resume="apply", above=0.0,
     )  # fmt: skip
     dclw_sigma: float = option(0.5, "dclw: scale of the vMF weights", resume="apply", above=0.0)
@@ -120,10 +121,27 @@ class TrainConfig:
         None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
     )
     teacher_momentum: float | None = option(
-        None, "moco, byol: EMA momentum at step 0, cosine to 1; none: 0.99, byol 0.996",
+        None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: 0.99, else 0.996",
         resume="apply", at_least=0.0, at_most=1.0,
     )  # fmt: skip
     queue_size: int = option(0, "moco: past keys kept as extra negatives; 0: none", at_least=0)
+    dino_out_dim: int = option(1024, "dino: outputs of DINO's head", at_least=1)
+    center_momentum: float = option(
+        0.9, "dino: EMA momentum of the teacher's center", resume="apply", at_least=0.0, at_most=1.0
+    )
+    teacher_temperature: float = option(
+        0.04, "dino: teacher temperature after the warm-up", resume="apply", above=0.0
+    )
+    teacher_temperature_warmup_steps: int = option(
+        0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
+    )
+    global_crops: int = option(2, "dino: global crops per sample", at_least=1)
+    local_crops: int | None = option(
+        None, "dino: local crops per sample; none: 6 for the resnets, else 0", at_least=0
+    )
+    local_crop_size: int | None = option(
+        None, "dino: local crop size; none: half of --image-size", at_least=1
+    )
     dropout: float | None = option(
         None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
     )
@@ -185,6 +203,9 @@ class TrainConfig:
         "global", "per-rank: lightly's default, each rank queues its own keys",
         choices=("global", "per-rank"),
     )  # fmt: skip
+    dino_center: str = option(
+        "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
+    )
 
     def __post_init__(self) -> None:
         validate(self)
@@ -194,6 +215,15 @@ class TrainConfig:
             default = next(f.default for f in dataclasses.fields(self) if f.name == name)
             if getattr(self, name) != default and name not in METHODS[self.method].options:
                 raise ConfigError(f"{flag(name)} does not apply to --method {self.method}")
+        if self.local_crops and self.model in ("mlp", *VIT_SIZES):
+            raise ConfigError(
+                f"--local-crops: {self.model} takes one input size; local crops need a resnet"
+            )
+        if self.local_crop_size and self.image_size and self.local_crop_size > self.image_size:
+            raise ConfigError(
+                f"--local-crop-size {self.local_crop_size} is larger than the global crops "
+                f"(--image-size {self.image_size})"
+            )
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
             raise ConfigError(
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
@@ -220,6 +250,13 @@ class TrainConfig:
         }
         values = {k: v for k, v in derived.items() if getattr(self, k) is None}
         config = dataclasses.replace(self, **values)
+        if config.method == "dino":
+            crops = {
+                "local_crops": 0 if config.model in ("mlp", *VIT_SIZES) else 6,
+                "local_crop_size": max(1, config.image_size // 2),
+            }
+            crops = {k: v for k, v in crops.items() if getattr(config, k) is None}
+            config = dataclasses.replace(config, **crops)
         if config.lr is None:
             config = dataclasses.replace(config, lr=0.2 if config.optimizer == "lars" else 0.03)
         return config

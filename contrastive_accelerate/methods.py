@@ -51,7 +51,7 @@ from torch import nn
 
 from contrastive_accelerate import collectives
 from contrastive_accelerate.collectives import is_distributed
-from contrastive_accelerate.data import TwoViewBatch, TwoViews, label_ids
+from contrastive_accelerate.data import MultiCrop, MultiCropBatch, TwoViewBatch, TwoViews, label_ids
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.grad_cache import has_batch_statistics
 from contrastive_accelerate.launch import TrainerError
@@ -59,6 +59,7 @@ from losses import (
     BarlowTwinsLoss,
     DCLLoss,
     DCLWLoss,
+    DINOLoss,
     InfoNCELoss,
     MoCoLoss,
     NegativeCosineSimilarityLoss,
@@ -67,6 +68,7 @@ from losses import (
     SupConLoss,
     VICRegLoss,
 )
+from losses.dino import batch_center
 from models import (
     SimCLR,
     convert_sample_dropout,
@@ -424,28 +426,163 @@ class MomentumMethod:
             self._new_keys = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {
-            f"teacher.{name}": value for name, value in self.teacher.network.state_dict().items()
-        }
-        return state | (self.queue.state_dict() if self.queue is not None else {})
+        queue = self.queue.state_dict() if self.queue is not None else {}
+        return teacher_state(self.teacher) | queue
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        teacher = {
-            name[len("teacher.") :]: v for name, v in state.items() if name.startswith("teacher.")
-        }
-        rest = {name: v for name, v in state.items() if not name.startswith("teacher.")}
-        if not teacher:
-            raise TrainerError(f"the checkpoint has no teacher weights for --method {self.name}")
+        rest = load_teacher(self.teacher, state, self.name)
         if (self.queue is None) != ("queue" not in rest):
             has = "has a queue" if "queue" in rest else "has no queue"
             size = self.queue.size if self.queue is not None else 0
             raise TrainerError(f"the checkpoint {has}, and this run's --queue-size is {size}")
-        expected = set(self.teacher.network.state_dict())
-        if set(teacher) != expected:
-            raise TrainerError("the checkpoint's teacher weights do not match this run's model")
-        self.teacher.network.load_state_dict(teacher)
         if self.queue is not None:
             self.queue.load_state_dict(rest)
+
+
+def teacher_state(teacher: EMATeacher) -> dict[str, torch.Tensor]:
+    """The teacher's weights and buffers, under ``teacher.``."""
+    return {f"teacher.{name}": value for name, value in teacher.network.state_dict().items()}
+
+
+def load_teacher(teacher: EMATeacher, state: dict[str, torch.Tensor], method: str) -> dict:
+    """Load ``teacher_state``'s entries of ``state``; returns the other entries."""
+    prefix = "teacher."
+    weights = {name[len(prefix) :]: v for name, v in state.items() if name.startswith(prefix)}
+    if set(weights) != set(teacher.network.state_dict()):
+        problem = (
+            "has no teacher weights" if not weights else "has teacher weights that do not match"
+        )
+        raise TrainerError(f"the checkpoint {problem} for this run's --method {method} and model")
+    teacher.network.load_state_dict(weights)
+    return {name: v for name, v in state.items() if not name.startswith(prefix)}
+
+
+class DINOMethod:
+    """DINO (Caron et al., 2021): a student and an EMA teacher with DINO's head, the
+    teacher's global crops centred and sharpened as the student's targets, multi-crop.
+
+    The dataset is ``MultiCrop``; ``embed`` runs one forward per resolution (the global
+    crops, then the local ones), and the teacher sees the global crops only, once per
+    step. The center is the mean teacher output over the *global* batch
+    (``losses.dino.batch_center``: sums and counts all-reduced), an EMA across steps
+    updated after each step with the teacher, as DINO does; the teacher temperature
+    warms up linearly from 0.04 to ``--teacher-temperature``. The teacher's weights and
+    the center are the method's state.
+    """
+
+    def __init__(
+        self,
+        config,
+        data: ImageData,
+        world_size: int,
+        say: Callable[[str], Any],
+        *,
+        total_steps: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.seed, self.total_steps = config.seed, total_steps
+        self.base_momentum, self.center_momentum = config.teacher_momentum, config.center_momentum
+        self.teacher_temperature = config.teacher_temperature
+        self.warmup_steps = config.teacher_temperature_warmup_steps
+        self.center_formula = config.dino_center
+        self.dataset = MultiCrop(
+            data.train,
+            data.image_column,
+            config.image_size,
+            config.seed,
+            config.global_crops,
+            config.local_crops,
+            config.local_crop_size,
+            per_sample_seed=config.augmentation_seeding == "per-sample",
+            crop_min_scale=config.crop_min_scale,
+        )
+        self.model = image_model(
+            config, world_size, say, SIMCLR_HEAD, dino_out_dim=config.dino_out_dim
+        )
+        self.teacher = EMATeacher(self.model).to(device)
+        self.center = torch.zeros(1, config.dino_out_dim, dtype=self.teacher.dtype, device=device)
+        self.criterion = DINOLoss(config.temperature, gather_distributed=config.gather)
+        self._teacher_crops: tuple[list[torch.Tensor], list[int] | None] | None = None
+
+    def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:
+        """Every crop of one chunk, crop by crop: one forward per resolution."""
+        first_local = len(chunk.global_crops)
+        return torch.cat(
+            [
+                embed_crops(model, crops, chunk.indices, self.seed, step, first_view)
+                for crops, first_view in ((chunk.global_crops, 0), (chunk.local_crops, first_local))
+                if len(crops)
+            ]
+        )
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: MultiCropBatch,
+        sizes: list[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        crops = len(batch.global_crops) + len(batch.local_crops)
+        per_crop = [output.unflatten(0, (crops, len(output) // crops)) for output in outputs]
+        student = [torch.cat([output[crop] for output in per_crop]) for crop in range(crops)]
+        with torch.no_grad():
+            # Views 64 + crop: the teacher's dropout masks are not the student's.
+            targets = embed_crops(
+                self.teacher, batch.global_crops, batch.indices, self.seed, step, 64
+            )
+        teacher = list(targets.unflatten(0, (len(batch.global_crops), -1)))
+        self._teacher_crops = (teacher, sizes)
+        return self.criterion(student, teacher, self.temperature_at(step), self.center, sizes=sizes)
+
+    def temperature_at(self, step: int) -> float:
+        """DINO's teacher temperature: linear from 0.04 over the warm-up, then constant."""
+        if step >= self.warmup_steps:
+            return self.teacher_temperature
+        start = DINO_WARMUP_TEACHER_TEMPERATURE
+        return start + (self.teacher_temperature - start) * step / self.warmup_steps
+
+    def after_step(self, step: int) -> None:
+        """The teacher's EMA update, then the center's, from this step's teacher outputs."""
+        momentum = cosine_momentum(step + 1, self.total_steps, self.base_momentum)
+        self.teacher.update(self.model, momentum)
+        teacher, sizes = self._teacher_crops
+        center = batch_center(teacher, sizes, formula=self.center_formula).to(self.center.dtype)
+        self.center.mul_(self.center_momentum).add_(center, alpha=1 - self.center_momentum)
+        self._teacher_crops = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return teacher_state(self.teacher) | {"center": self.center}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        rest = load_teacher(self.teacher, state, "dino")
+        if set(rest) != {"center"} or rest["center"].shape != self.center.shape:
+            raise TrainerError(
+                f"the checkpoint has no DINO center of shape {tuple(self.center.shape)} "
+                "(--dino-out-dim)"
+            )
+        self.center.copy_(rest["center"])
+
+
+#: DINO's ``warmup_teacher_temp``.
+DINO_WARMUP_TEACHER_TEMPERATURE = 0.04
+
+
+def embed_crops(
+    model: nn.Module,
+    crops: torch.Tensor,
+    indices: torch.Tensor,
+    seed: int,
+    step: int,
+    first_view: int,
+) -> torch.Tensor:
+    """``(crops, n, C, H, W)`` of one resolution in one forward, crop-major rows;
+    dropout keyed by (seed, step, each sample's index, ``first_view`` + crop)."""
+    parameter = next(model.parameters())
+    images = crops.to(parameter.device, parameter.dtype, non_blocking=True).flatten(0, 1)
+    views = range(first_view, first_view + len(crops))
+    keys = torch.cat([sample_keys(seed, step, indices, view) for view in views])
+    with sample_randomness(keys.to(parameter.device, non_blocking=True)):
+        return model(images)
 
 
 @dataclass(frozen=True)
@@ -460,7 +597,17 @@ class MethodRow:
 
 
 #: Options that only some methods read: a value other than the default is refused elsewhere.
-METHOD_OPTIONS = ("loss", "teacher_momentum", "queue_size", "queue_keys")
+DINO_OPTIONS = (
+    "dino_out_dim",
+    "center_momentum",
+    "teacher_temperature",
+    "teacher_temperature_warmup_steps",
+    "global_crops",
+    "local_crops",
+    "local_crop_size",
+    "dino_center",
+)
+METHOD_OPTIONS = ("loss", "teacher_momentum", "queue_size", "queue_keys", *DINO_OPTIONS)
 
 METHODS: dict[str, MethodRow] = {
     "simclr": MethodRow(SimCLRMethod, options=("loss",)),
@@ -471,7 +618,12 @@ METHODS: dict[str, MethodRow] = {
     ),
     "byol": MethodRow(
         MomentumMethod,
-        defaults={"teacher_momentum": 0.996},
-        options=("teacher_momentum",),  # BYOL's
+        defaults={"teacher_momentum": 0.996},  # BYOL's
+        options=("teacher_momentum",),
+    ),
+    "dino": MethodRow(
+        DINOMethod,
+        defaults={"temperature": 0.1, "teacher_momentum": 0.996},  # DINO's
+        options=("teacher_momentum", *DINO_OPTIONS),
     ),
 }

@@ -14,6 +14,7 @@ nothing and reads no device value, and leaves value checks to the caller
 
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
+from losses.dino import DINOLoss
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
 from losses.redundancy import BarlowTwinsLoss, VICRegLoss
@@ -23,6 +24,7 @@ __all__ = [
     "BarlowTwinsLoss",
     "DCLLoss",
     "DCLWLoss",
+    "DINOLoss",
     "InfoNCELoss",
     "MoCoLoss",
     "NegativeCosineSimilarityLoss",

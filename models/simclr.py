@@ -10,6 +10,8 @@ import torchvision
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
+from models.dino import DINOHead
+
 BACKBONES = ("resnet18", "resnet34", "resnet50", "vit_tiny", "vit_small", "mlp")
 #: Vision Transformers (Dosovitskiy et al., 2021) in DeiT's sizes (Touvron et al., 2021):
 #: layers, heads, width, MLP width.
@@ -37,6 +39,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     of the head's shape (BatchNorm for the ResNets) from ``projection_dim`` to itself:
     ``forward`` then returns predictions, and a momentum teacher made without it
     (``models.momentum.EMATeacher(model, without=("predictor",))``) returns projections.
+    ``dino_out_dim`` replaces the projection head with DINO's (``models.dino.DINOHead``,
+    ``projection_hidden_dim`` wide, into ``projection_dim``, then ``dino_out_dim`` logits).
 
     Example::
 
@@ -58,6 +62,7 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         logit_bias: float | None = None,
         dropout: float = 0.0,
         prediction_hidden_dim: int | None = None,
+        dino_out_dim: int | None = None,
     ) -> None:
         super().__init__()
         if backbone not in BACKBONES:
@@ -99,6 +104,7 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
             self.projection_head = _head(
                 hidden, projection_hidden_dim, projection_dim, projection_layers, batch_norm=False
             )
+            self._dino_head(hidden, dino_out_dim, projection_hidden_dim, projection_dim)
             return
         if backbone in VIT_SIZES:
             self.encoder = _vision_transformer(backbone, image_size, dropout)
@@ -109,6 +115,9 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
                 projection_layers,
                 batch_norm=False,
                 after_linear=False,
+            )
+            self._dino_head(
+                self.encoder.hidden_dim, dino_out_dim, projection_hidden_dim, projection_dim
             )
             return
         resnet = torchvision.models.get_model(backbone, weights=None)
@@ -127,6 +136,11 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         self.projection_head = _head(
             feature_dim, projection_hidden_dim, projection_dim, projection_layers, batch_norm=True
         )
+        self._dino_head(feature_dim, dino_out_dim, projection_hidden_dim, projection_dim)
+
+    def _dino_head(self, in_dim: int, out_dim: int | None, hidden: int, bottleneck: int) -> None:
+        if out_dim is not None:  # DINO's head replaces the projection head
+            self.projection_head = DINOHead(in_dim, out_dim, hidden, bottleneck)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
+from contrastive_accelerate.methods import DINO_OPTIONS, METHOD_OPTIONS
 from trainer import TrainConfig
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -39,6 +40,7 @@ COMPANIONS = {
     "teacher_momentum": ["--method", "moco"],
     "queue_size": ["--method", "moco"],
     "queue_keys": ["--method", "moco"],
+    **{name: ["--method", "dino"] for name in DINO_OPTIONS},
 }
 
 
@@ -66,12 +68,16 @@ def test_derived_defaults_are_resolved_in_one_place():
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
-        expected = {"teacher_momentum"}  # no teacher
+        expected = {"teacher_momentum", "local_crops", "local_crop_size"}  # no teacher, no crops
         expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
         assert left == expected, (loss, left)
     for method, temperature, momentum in (("moco", 0.2, 0.99), ("byol", 0.5, 0.996)):
         resolved = TrainConfig(method=method).resolved()
         assert (resolved.temperature, resolved.teacher_momentum) == (temperature, momentum)
+    dino = TrainConfig(method="dino").resolved()
+    assert (dino.temperature, dino.teacher_momentum, dino.local_crops) == (0.1, 0.996, 6)
+    assert dino.local_crop_size == 4  # half of the digits' 8 px
+    assert TrainConfig(method="dino", model="mlp").resolved().local_crops == 0
     assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
     assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
 
@@ -86,11 +92,19 @@ def test_every_field_is_settable_from_the_command_line(field):
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
-    # --overwrite-output-dir and --resume-from exclude each other, and --loss (simclr's)
-    # the momentum methods' options: every field is in one of two files.
-    momentum = {"method", "teacher_momentum", "queue_size", "queue_keys"}
-    for excluded in ({"overwrite_output_dir", "loss"}, {"resume_from", *momentum}):
-        values = {name: value for name, value in VALUES.items() if name not in excluded}
+    # --overwrite-output-dir and --resume-from exclude each other, and each method takes
+    # its own options (DINO's local crops a resnet): every field is in one of three files.
+    shared = {n: v for n, v in VALUES.items() if n not in ("method", *METHOD_OPTIONS)}
+    moco_options = ("teacher_momentum", "queue_size", "queue_keys")
+    moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
+    dino = {"method": "dino", **{n: VALUES[n] for n in DINO_OPTIONS}}
+    files = [
+        {**shared, "loss": VALUES["loss"], "overwrite_output_dir": None},
+        {**shared, **moco, "resume_from": None},
+        {**shared, **dino, "resume_from": None, "dropout": None, "model": "resnet34"},
+    ]
+    for values in files:
+        values = {name: value for name, value in values.items() if value is not None}
         path = tmp_path / f"run{suffix}"
         text = json.dumps(values) if suffix == ".json" else yaml.safe_dump(values)
         path.write_text(text)
@@ -175,6 +189,13 @@ def test_usage_errors_are_one_line(capfd):
         ({"teacher_momentum": 0.99}, "--teacher-momentum does not apply to --method simclr"),
         ({"method": "moco", "teacher_momentum": 1.5}, "--teacher-momentum 1.5: must be"),
         ({"method": "moco", "teacher_momentum": -0.1}, "--teacher-momentum -0.1: must be"),
+        ({"method": "dino", "loss": "dcl"}, "--loss does not apply to --method dino"),
+        ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
+        ({"method": "dino", "model": "mlp", "local_crops": 2}, "local crops need a resnet"),
+        (
+            {"method": "dino", "image_size": 16, "local_crop_size": 24},
+            "--local-crop-size 24 is larger than the global crops",
+        ),
     ],
 )
 def test_options_of_another_method_are_refused(options, message):

@@ -1,4 +1,5 @@
-"""Momentum teachers, queues and their losses (MoCo, BYOL): units, peers, exactness, bf16."""
+"""Momentum teachers, queues, centers, multi-crop and their losses (MoCo, BYOL, DINO):
+units, peers, exactness, bf16."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from lightly.loss import DINOLoss as DINOLossLightly
 from lightly.loss import NegativeCosineSimilarity, NTXentLoss
 from lightly.models.utils import update_momentum
 from torch import nn
 
-from contrastive_accelerate.testing import assert_loss_invariant
-from losses import MoCoLoss, NegativeCosineSimilarityLoss
+from contrastive_accelerate.data import MultiCrop
+from contrastive_accelerate.testing import assert_loss_invariant, run_on_ranks
+from losses import DINOLoss, MoCoLoss, NegativeCosineSimilarityLoss
+from losses.dino import CENTER_FORMULAS, batch_center
 from models import SimCLR
 from models.momentum import EMATeacher, KeyQueue, cosine_momentum
 
@@ -212,3 +216,108 @@ def test_momentum_losses_compute_in_float32_under_bf16_autocast(loss, inputs):
     assert autocast.item() == pytest.approx(reference.item(), abs=1e-6)
     # bf16 inputs: only their own rounding (3 significant digits) is left.
     assert bf16.item() == pytest.approx(reference.item(), rel=2e-2)
+
+
+def _dino_inputs(rows: int = 12, dim: int = 16):
+    """Three student crops, two teacher crops (the global ones) and a center."""
+    generator = torch.Generator().manual_seed(2)
+    crops = [torch.randn(rows, dim, generator=generator, dtype=torch.float64) for _ in range(5)]
+    return (*crops, 0.1 * torch.randn(1, dim, generator=generator, dtype=torch.float64))
+
+
+class CropsDINOLoss(nn.Module):
+    """DINOLoss on tensors (the harness splits tensors, not lists): 3 student crops."""
+
+    def __init__(self, teacher_temperature: float = 0.04) -> None:
+        super().__init__()
+        self.loss, self.teacher_temperature = DINOLoss(0.1), teacher_temperature
+
+    def forward(self, s0, s1, s2, t0, t1, center, *, sizes=None):
+        return self.loss([s0, s1, s2], [t0, t1], self.teacher_temperature, center, sizes=sizes)
+
+
+def test_dino_loss_and_center_are_lightlys():
+    """Peer parity: lightly's DINOLoss with the same center, value, gradient and center."""
+    *crops, center = _dino_inputs()
+    ours_in = [crop.clone().requires_grad_() for crop in crops]
+    theirs_in = [crop.clone().requires_grad_() for crop in crops]
+    theirs = DINOLossLightly(output_dim=16, teacher_temp=0.04, student_temp=0.1)
+    theirs.center = center.clone()[None]
+    value_theirs = theirs(theirs_in[3:], theirs_in[:3])
+    # lightly holds the teacher temperature as a float32 tensor: give ours the same value.
+    temperature = torch.tensor(0.04).item()
+    value_ours = DINOLoss(0.1)(ours_in[:3], ours_in[3:], temperature, center)
+    value_theirs.backward()
+    value_ours.backward()
+    gradient = max(
+        (a.grad - b.grad).abs().max().item() for a, b in zip(ours_in, theirs_in, strict=True)
+    )
+    ours_center = 0.9 * center + 0.1 * batch_center(crops[3:])
+    center_error = (ours_center - theirs.center[0]).abs().max().item()
+    print(f"DINOLoss vs lightly: value {abs(value_ours - value_theirs).item():.1e}, "
+          f"gradient {gradient:.1e}, center {center_error:.1e}")  # fmt: skip
+    assert value_ours.item() == pytest.approx(value_theirs.item(), abs=1e-12)
+    assert gradient < 1e-12 and center_error < 1e-15
+
+
+def test_dino_loss_is_exact_on_any_number_of_processes():
+    report = assert_loss_invariant(CropsDINOLoss, _dino_inputs)
+    print(f"worst difference {report.worst:.1e}")
+
+
+def centers_worker(rank: int, world_size: int, sizes: list[int]) -> dict:
+    crops = [crop[sum(sizes[:rank]) : sum(sizes[: rank + 1])] for crop in _dino_inputs()[3:5]]
+    return {formula: batch_center(crops, sizes, formula=formula) for formula in CENTER_FORMULAS} | {
+        "unknown sizes": batch_center(crops, None)
+    }
+
+
+def test_the_center_is_the_global_mean_and_dinos_formula_is_not_on_uneven_shares():
+    global_mean = batch_center(_dino_inputs()[3:5])
+    for record in run_on_ranks(centers_worker, 2, [8, 4]):
+        ours = max(
+            (record[k] - global_mean).abs().max().item() for k in ("global", "unknown sizes")
+        )
+        dinos = (record["dino"] - global_mean).abs().max().item()
+        print(f"center on [8, 4] rows: ours {ours:.1e}, DINO's formula {dinos:.1e}")
+        assert ours < 1e-15
+        assert dinos > 1e-3  # the control: DINO's all_reduce(sum) / (local rows x W)
+
+
+def test_dino_loss_computes_in_float32_under_bf16_autocast():
+    float32 = [x.float() for x in _dino_inputs()]
+    reference = CropsDINOLoss()(*float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = CropsDINOLoss()(*float32)
+    assert autocast.dtype == torch.float32
+    assert autocast.item() == pytest.approx(reference.item(), abs=1e-6)
+
+
+def test_multi_crop_draws_each_samples_crops_from_its_seed_epoch_and_index():
+    images = [{"image": torch.randint(0, 256, (3, 12, 12), dtype=torch.uint8)} for _ in range(3)]
+    crops = MultiCrop(images, "image", 8, seed=0, global_crops=2, local_crops=3, local_crop_size=4)
+    first, again, other_epoch = crops[(0, 1)], crops[(0, 1)], crops[(1, 1)]
+    assert [c.shape[-1] for c in first[0]] == [8, 8] and [c.shape[-1] for c in first[1]] == [4] * 3
+    assert all(
+        torch.equal(a, b) for a, b in zip(first[0] + first[1], again[0] + again[1], strict=True)
+    )
+    assert not torch.equal(first[1][0], other_epoch[1][0])
+    batch = crops.collate([crops[(0, index)] for index in range(3)])
+    assert batch.global_crops.shape == (2, 3, 3, 8, 8) and batch.local_crops.shape == (
+        3,
+        3,
+        3,
+        4,
+        4,
+    )
+    pieces = batch.split(2)
+    assert [len(piece.indices) for piece in pieces] == [2, 1]
+    assert torch.equal(pieces[1].local_crops[2, 0], batch.local_crops[2, 2])
+    empty = crops.collate([])
+    assert empty.global_crops.shape == (2, 0, 3, 8, 8) and empty.local_crops.shape == (
+        3,
+        0,
+        3,
+        4,
+        4,
+    )

@@ -27,6 +27,11 @@ MLP = ["--model", "mlp", "--image-size", "8", "--dropout", "0.1"]
 RESNET = ["--model", "resnet18", "--image-size", "16"]
 MOCO = ["--method", "moco", "--queue-size", "10", *MLP]
 BYOL = ["--method", "byol", *MLP]
+DINO = ["--method", "dino", "--dino-out-dim", "64", "--teacher-temperature", "0.07",
+        "--teacher-temperature-warmup-steps", "4"]  # fmt: skip
+# Two local crops of 8 px beside the 16 px global crops: one forward per resolution.
+DINO_MULTI_CROP = [*DINO, *RESNET, "--local-crops", "2", "--local-crop-size", "8"]
+DINO_MLP = [*DINO, *MLP]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +66,22 @@ def differences(a: Path, b: Path) -> tuple[float, float]:
 
 @pytest.mark.parametrize(
     "flags, processes",
-    [(MOCO, 2), (MOCO, 3), (BYOL, 3), (["--method", "byol", *RESNET], 3)],
-    ids=["moco+queue-2", "moco+queue-3", "byol-3", "byol-resnet18-syncbn-3"],
+    [
+        (MOCO, 2),
+        (MOCO, 3),
+        (BYOL, 3),
+        (["--method", "byol", *RESNET], 3),
+        (DINO_MLP, 3),
+        (DINO_MULTI_CROP, 3),
+    ],
+    ids=[
+        "moco+queue-2",
+        "moco+queue-3",
+        "byol-3",
+        "byol-resnet18-syncbn-3",
+        "dino-3",
+        "dino-resnet18-syncbn-multi-crop-3",
+    ],  # fmt: skip
 )
 def test_momentum_methods_are_world_size_invariant(runs, flags, processes):
     student, state = differences(runs(1, *flags), runs(processes, *flags))
@@ -86,8 +105,8 @@ def test_control_a_per_rank_queue_is_not_invariant(runs):
     assert student > 1e3 * EXACT
 
 
-def _resume(images: str, processes: int, checkpoint: Path, output: Path) -> Path:
-    launch(processes, *COMMON, "--dataset", images, *MOCO, "--output-dir", str(output),
+def _resume(images: str, processes: int, checkpoint: Path, output: Path, flags=MOCO) -> Path:
+    launch(processes, *COMMON, "--dataset", images, *flags, "--output-dir", str(output),
            "--resume-from", str(checkpoint))  # fmt: skip
     return output
 
@@ -143,3 +162,52 @@ def test_the_teacher_stays_float32_under_bf16_mixed_precision(images, tmp_path):
         torch.float32
     }
     assert all(torch.isfinite(tensor).all() for tensor in state.values())
+
+
+def test_dino_mid_epoch_resume_with_the_center_in_flight_is_exact(runs, images, tmp_path):
+    straight = runs(1, *DINO_MLP)
+    resumed = _resume(images, 1, straight / "checkpoint-3", tmp_path / "resumed", DINO_MLP)
+    student, state = differences(straight, resumed)
+    print(f"dino resumed at step 3: student {student:.1e}, state {state:.1e}")
+    assert student == 0.0 and state == 0.0
+
+
+def test_control_a_center_left_out_of_the_checkpoint(runs, images, tmp_path):
+    straight = runs(1, *DINO_MLP)
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(straight / "checkpoint-3", checkpoint)
+    state = load_file(str(checkpoint / "method.safetensors"))
+    state["center"] = torch.zeros_like(state["center"])  # where a fresh center starts
+    save_file(state, str(checkpoint / "method.safetensors"))
+    resumed = _resume(images, 1, checkpoint, tmp_path / "resumed", DINO_MLP)
+    _, state_difference = differences(straight, resumed)
+    print(f"center left out of the checkpoint: method state {state_difference:.1e}")
+    assert state_difference > 1e3 * EXACT
+
+
+@pytest.fixture(scope="module")
+def odd_images(tmp_path_factory) -> list[str]:
+    """21 images: each epoch ends with a batch of 3, shares of 2 and 1 on 2 processes,
+    where DINO's center formula is not the mean (every other step is even)."""
+    return ["--dataset", str(make_image_folder(tmp_path_factory.mktemp("odd"), 21, size=10))]
+
+
+def test_dino_center_on_uneven_shares(runs, odd_images):
+    uneven = [*DINO_MLP, *odd_images]
+    student, state = differences(runs(1, *uneven), runs(2, *uneven))
+    control, control_state = differences(
+        runs(1, *uneven), runs(2, *uneven, "--dino-center", "dino")
+    )
+    print(f"dino, shares 2 + 1: student {student:.1e}, state {state:.1e}; DINO's center "
+          f"formula: student {control:.1e}, state {control_state:.1e}")  # fmt: skip
+    assert student <= EXACT and state <= EXACT
+    assert control_state > 1e3 * EXACT
+
+
+def test_control_per_process_crop_seeding(runs):
+    """Crops drawn from each process's RNG (seed + rank), as most pipelines draw them."""
+    one = runs(1, *DINO_MULTI_CROP)
+    per_process = runs(2, *DINO_MULTI_CROP, "--augmentation-seeding", "per-process")
+    student, _ = differences(one, per_process)
+    print(f"dino multi-crop, per-process crop seeding, 1 vs 2 processes: student {student:.1e}")
+    assert student > 1e3 * EXACT

@@ -9,7 +9,13 @@ One module per concern:
 - ``loader``: one DataLoader for the run, its persistent workers stopped on exit.
 """
 
-from contrastive_accelerate.data.augmentation import TwoViewBatch, TwoViews, simclr_augmentation
+from contrastive_accelerate.data.augmentation import (
+    MultiCrop,
+    MultiCropBatch,
+    TwoViewBatch,
+    TwoViews,
+    simclr_augmentation,
+)
 from contrastive_accelerate.data.decoding import (
     NORMALIZE,
     UnreadableImage,
@@ -35,6 +41,8 @@ __all__ = [
     "DataError",
     "GlobalBatchSampler",
     "ImageData",
+    "MultiCrop",
+    "MultiCropBatch",
     "TwoViewBatch",
     "TwoViews",
     "UnreadableImage",

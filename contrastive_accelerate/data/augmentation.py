@@ -2,6 +2,7 @@
 
 ``TwoViews`` seeds the augmentation of sample i from (seed, epoch, i), so its crops
 depend neither on the rank, nor on the dataloader worker, nor on the worker count.
+``MultiCrop`` does the same for DINO's global and local crops, drawn in crop order.
 Items are ``(epoch, index)`` pairs: the dataset needs no mutable epoch state, and
 persistent workers stay correct.
 """
@@ -17,14 +18,16 @@ from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, rea
 from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
 
 
-def simclr_augmentation(image_size: int, crop_min_scale: float = 0.2) -> v2.Transform:
+def simclr_augmentation(
+    image_size: int, crop_min_scale: float = 0.2, crop_max_scale: float = 1.0
+) -> v2.Transform:
     """SimCLR's augmentation (Chen et al., 2020, appendix A), sized for ``image_size``.
 
     Gaussian blur is used from 64 px up, with a kernel of about 10% of the image,
     as in the paper; for CIFAR-sized images the paper leaves it out.
     """
     transforms = [
-        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, 1.0), antialias=True),
+        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
         v2.RandomHorizontalFlip(),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
@@ -115,3 +118,108 @@ class TwoViewBatch(NamedTuple):
         so that every rank runs the same collectives."""
         pieces = (tensor.tensor_split(chunks) for tensor in (self.view0, self.view1, self.indices))
         return [TwoViewBatch(*piece, []) for piece in zip(*pieces, strict=True)]
+
+
+#: DINO's smallest local crop, as a fraction of the image's area.
+LOCAL_CROP_MIN_SCALE = 0.05
+
+
+class MultiCrop(torch.utils.data.Dataset):
+    """DINO's multi-crop (Caron et al., 2020 and 2021): ``global_crops`` views of
+    ``image_size`` at scales (``crop_min_scale``, 1) and ``local_crops`` views of
+    ``local_crop_size`` at (0.05, ``crop_min_scale``), SimCLR's colour augmentation on
+    each. Items are ``(epoch, index)`` pairs; with ``per_sample_seed`` every crop is
+    drawn from (seed, epoch, index) in crop order, as ``TwoViews`` draws its two views.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        image_column: str,
+        image_size: int,
+        seed: int,
+        global_crops: int,
+        local_crops: int,
+        local_crop_size: int,
+        per_sample_seed: bool = True,
+        crop_min_scale: float = 0.4,
+    ) -> None:
+        self.dataset, self.image_column = dataset, image_column
+        self.image_size, self.local_crop_size = image_size, local_crop_size
+        self.seed, self.per_sample_seed = seed, per_sample_seed
+        self.global_crops, self.local_crops = global_crops, local_crops
+        self.resize = resize_to(image_size)
+        self.global_augment = simclr_augmentation(image_size, crop_min_scale)
+        self.local_augment = simclr_augmentation(
+            local_crop_size, LOCAL_CROP_MIN_SCALE, crop_min_scale
+        )
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _crops(self, image) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return (
+            [NORMALIZE(self.global_augment(image)) for _ in range(self.global_crops)],
+            [NORMALIZE(self.local_augment(image)) for _ in range(self.local_crops)],
+        )
+
+    def __getitem__(self, item: tuple[int, int]):
+        epoch, index = item
+        try:
+            image = self.resize(read_image(self.dataset[index][self.image_column], index))
+        except UnreadableImage as unreadable:
+            return UnreadableImage(str(unreadable))  # see TwoViews.__getitem__
+        if not self.per_sample_seed:
+            return (*self._crops(image), index)
+        generator = torch.default_generator
+        caller_state = generator.get_state()
+        generator.manual_seed(derive_seed(self.seed, AUGMENT_STREAM, epoch, index))
+        try:
+            return (*self._crops(image), index)
+        finally:
+            generator.set_state(caller_state)
+
+    def collate(self, items: list) -> MultiCropBatch:
+        """Crops stacked per crop, ``(crops, n, C, H, W)`` per resolution; unreadable images
+        left out and listed, an empty share gives empty tensors (see ``TwoViews.collate``)."""
+        unreadable = [item for item in items if isinstance(item, UnreadableImage)]
+        samples = [item for item in items if not isinstance(item, UnreadableImage)]
+
+        def stacked(crops: list[list[torch.Tensor]], count: int, size: int) -> torch.Tensor:
+            if not samples:
+                return torch.empty(count, 0, 3, size, size)
+            return torch.stack([torch.stack(per_crop) for per_crop in zip(*crops, strict=True)])
+
+        if not samples:
+            indices = torch.empty(0, dtype=torch.long)
+            global_crops = stacked([], self.global_crops, self.image_size)
+            local_crops = stacked([], self.local_crops, self.local_crop_size)
+            return MultiCropBatch(global_crops, local_crops, indices, unreadable)
+        global_crops, local_crops, indices = zip(*samples, strict=True)
+        return MultiCropBatch(
+            stacked(list(global_crops), self.global_crops, self.image_size),
+            stacked(list(local_crops), self.local_crops, self.local_crop_size)
+            if self.local_crops
+            else torch.empty(0, len(samples), 3, self.local_crop_size, self.local_crop_size),
+            torch.tensor(indices),
+            unreadable,
+        )
+
+
+class MultiCropBatch(NamedTuple):
+    """A rank's share of a global batch: every crop of each readable sample, per resolution."""
+
+    global_crops: torch.Tensor  # (global crops, n, C, H, W)
+    local_crops: torch.Tensor  # (local crops, n, C, h, w)
+    indices: torch.Tensor
+    unreadable: list[UnreadableImage]
+
+    def split(self, chunks: int) -> list[MultiCropBatch]:
+        """``chunks`` pieces along the samples (see ``TwoViewBatch.split``)."""
+        pieces = zip(
+            self.global_crops.tensor_split(chunks, dim=1),
+            self.local_crops.tensor_split(chunks, dim=1),
+            self.indices.tensor_split(chunks),
+            strict=True,
+        )
+        return [MultiCropBatch(*piece, []) for piece in pieces]

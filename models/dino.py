@@ -1,0 +1,50 @@
+"""DINO's projection head (Caron et al., 2021): an MLP, L2 normalisation, and a
+weight-normalised last layer whose rows all have norm 1 (``norm_last_layer=True``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DINOHead(nn.Module):
+    """``x -> W normalize(mlp(x))`` with ``W``'s rows of norm 1.
+
+    The MLP is Linear-GELU-Linear-GELU-Linear (``layers`` linear layers) into
+    ``bottleneck_dim``, initialised as DINO does (truncated normal, std 0.02, zero
+    biases); the last layer is ``weight_norm`` of a bias-free ``nn.Linear`` with its
+    magnitude fixed at 1, written out as ``v / ||v||`` per output row, so the state
+    holds one plain tensor ``last_layer`` that an EMA and safetensors treat like any
+    other.
+
+    Example::
+
+        head = DINOHead(512, out_dim=1024)
+        logits = head(encoder(images))        # (batch, 1024): DINOLoss's input
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        hidden_dim: int = 512,
+        bottleneck_dim: int = 128,
+        layers: int = 3,
+    ) -> None:
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (layers - 1)
+        modules: list[nn.Module] = []
+        for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):
+            modules += [nn.Linear(fan_in, fan_out), nn.GELU()]
+        modules.append(nn.Linear(dims[-1], bottleneck_dim))
+        self.mlp = nn.Sequential(*modules)
+        for module in self.mlp:
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias)
+        self.last_layer = nn.Parameter(nn.Linear(bottleneck_dim, out_dim, bias=False).weight.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.normalize(self.mlp(x), dim=-1)
+        return x @ F.normalize(self.last_layer, dim=1).T
