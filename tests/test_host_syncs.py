@@ -33,13 +33,12 @@ from trainer import TrainConfig
 from launch import launch, one_line_errors
 
 BATCH = 7  # odd: the two ranks hold 4 and 3 samples
-#: --loss values of simclr, then the other methods: (name, model, chunks).
+#: --loss values of simclr, then the other methods (on the mlp: their steps add a teacher,
+#: a queue and a center, whose code paths do not depend on the encoder): (name, model, K).
 CASES = [
-    (name, model, chunks)
-    for model in ("mlp", "resnet18")
-    for name in (*LOSSES, *(method for method in METHODS if method != "simclr"))
-    for chunks in (1, 3)
-]
+    (name, model, chunks) for model in ("mlp", "resnet18") for name in LOSSES for chunks in (1, 3)
+] + [(method, "mlp", chunks) for method in METHODS if method != "simclr" for chunks in (1, 3)]
+CASES.append(("dino", "resnet18", 1))  # multi-crop: one forward per resolution
 
 
 def _config(name: str, model: str, chunks: int) -> TrainConfig:
