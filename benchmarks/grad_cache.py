@@ -40,11 +40,11 @@ def _step(method, optimizer, batch, chunks: int, kind: str, step: int) -> None:
     """One step through the method's own chunk embedding and loss assembly."""
     embed = partial(method.embed, method.model, step=step)
     if kind == "cached":
-        loss_of = partial(method.loss, batch=batch, sizes=None, step=0)
+        loss_of = partial(method.loss, batch=batch, sizes=None, step=step)
         cached_backward(method.model, batch.split(chunks), loss_of, forward=embed)
     else:  # plain accumulation: each chunk's loss with its own negatives
         for piece in batch.split(chunks):
-            (method.loss([embed(piece)], piece, None, 0) / chunks).backward()
+            (method.loss([embed(piece)], piece, None, step) / chunks).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -1,0 +1,204 @@
+"""The methods side by side: step time against SimCLR, the EMA update's share, the
+multi-crop loader against the model's consumption, and kNN on the digits per method.
+
+Step times are one process, ResNet-18 on the digits at the same global batch, the
+methods interleaved round by round in one process (median over rounds; each step is
+``cached_backward`` through the method's own embed and loss, the optimizer, and
+``after_step``). The EMA update is timed alone on the same model. The loader rate is
+DINO's multi-crop dataset (2 global crops of 8 px, 6 local of 4 px) through a
+``DataLoader`` with 0 and 2 workers. kNN runs the README's first command with
+``--method NAME`` for each method, at the default run's budget, one after another.
+
+    python -m benchmarks.methods            # ~25 min on 2 cores, most of it the kNN runs
+    python -m benchmarks.methods --quick    # small sizes, 20 training steps per method
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from benchmarks import standalone
+from contrastive_accelerate.data import load_image_dataset
+from contrastive_accelerate.grad_cache import cached_backward
+from contrastive_accelerate.methods import METHODS
+from trainer import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+README_START, README_END = "<!-- benchmarks.methods: start -->", "<!-- benchmarks.methods: end -->"
+
+
+def _built(name: str, batch_size: int, data):
+    config = TrainConfig(method=name, batch_size=batch_size).resolved()
+    torch.manual_seed(0)
+    method = METHODS[name].build(config, data, 1, lambda _: None, total_steps=1000)
+    optimizer = torch.optim.SGD(method.model.parameters(), lr=0.01, momentum=0.9)
+    batch = method.dataset.collate([method.dataset[(0, index)] for index in range(batch_size)])
+    return method, optimizer, batch
+
+
+def _step(method, optimizer, batch, step: int) -> None:
+    cached_backward(
+        method.model,
+        batch.split(1),
+        partial(method.loss, batch=batch, sizes=None, step=step),
+        forward=partial(method.embed, method.model, step=step),
+    )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    method.after_step(step)
+
+
+def step_times(batch_size: int, rounds: int) -> list[dict]:
+    data = load_image_dataset(None)
+    built = {name: _built(name, batch_size, data) for name in METHODS}
+    seconds: dict[str, list[float]] = {name: [] for name in METHODS}
+    for step in range(rounds + 1):  # the first round warms up
+        for name, (method, optimizer, batch) in built.items():
+            started = time.perf_counter()
+            _step(method, optimizer, batch, step)
+            if step:
+                seconds[name].append(time.perf_counter() - started)
+    rows = []
+    for name, (method, _, _) in built.items():
+        ema = None
+        if hasattr(method, "teacher"):
+            updates = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                method.teacher.update(method.model, 0.996)
+                updates.append(time.perf_counter() - started)
+            ema = statistics.median(updates)
+        rows.append({"method": name, "step_s": statistics.median(seconds[name]), "ema_s": ema})
+    return rows
+
+
+def multicrop_rate(batch_size: int, batches: int) -> list[dict]:
+    data = load_image_dataset(None)
+    config = TrainConfig(method="dino").resolved()
+    dataset = METHODS["dino"].build(config, data, 1, lambda _: None, total_steps=1).dataset
+    rows = []
+    for workers in (0, 2):
+        loader = torch.utils.data.DataLoader(
+            [(0, index) for index in range(batch_size * batches)],
+            batch_size=batch_size,
+            num_workers=workers,
+            collate_fn=lambda items: dataset.collate([dataset[item] for item in items]),
+        )
+        started = time.perf_counter()
+        for _ in loader:
+            pass
+        rate = batch_size * batches / (time.perf_counter() - started)
+        rows.append({"workers": workers, "samples_per_s": rate})
+    return rows
+
+
+def knn_run(name: str, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as output:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO / "accelerate_configs" / "single_process.yaml"),
+            str(REPO / "trainer.py"), "--method", name, "--output-dir", output, *extra,
+        ]  # fmt: skip
+        env = {"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        started = time.perf_counter()
+        result = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}
+        )
+        seconds = time.perf_counter() - started
+        if result.returncode != 0:
+            return {"method": name, "error": result.stderr[-500:]}
+        row = {"method": name, "seconds": seconds}
+        for line in Path(output, "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            for key in ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"):
+                if key in record:
+                    row[key] = record[key]
+    return row
+
+
+def run(quick: bool) -> dict:
+    extra = ["--max-steps", "20"] if quick else []
+    results = {
+        "steps": step_times(batch_size=16 if quick else 128, rounds=2 if quick else 7),
+        "multicrop": multicrop_rate(batch_size=16 if quick else 128, batches=2 if quick else 6),
+        "knn_extra_args": extra,
+        "knn": [],
+    }
+    for name in METHODS:
+        results["knn"].append(knn_run(name, extra))
+        print(f"methods: kNN of {name}: {results['knn'][-1]}", flush=True)
+    return results
+
+
+def table_lines(results: dict) -> list[str]:
+    simclr = next(row["step_s"] for row in results["steps"] if row["method"] == "simclr")
+    lines = [
+        "| `--method` | step (ms) | vs simclr | EMA update (ms, share of the step) "
+        "| kNN top-1 | linear probe | run (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    knn = {row["method"]: row for row in results["knn"]}
+    for row in results["steps"]:
+        ema = (
+            f"{row['ema_s'] * 1e3:.1f} ({row['ema_s'] / row['step_s']:.1%})"
+            if row["ema_s"] is not None
+            else "none"
+        )
+        evaluation = knn.get(row["method"], {})
+        accuracy = evaluation.get("knn_top1")
+        probe = evaluation.get("linear_probe_top1")
+        lines.append(
+            f"| `{row['method']}` | {row['step_s'] * 1e3:.0f} | {row['step_s'] / simclr:.2f}x "
+            f"| {ema} | {'n/a' if accuracy is None else f'{accuracy:.1%}'} "
+            f"| {'n/a' if probe is None else f'{probe:.1%}'} "
+            f"| {evaluation.get('seconds', float('nan')):.0f} |"
+        )
+    dino = next(row["step_s"] for row in results["steps"] if row["method"] == "dino")
+    batch = 16 if results["knn_extra_args"] else 128
+    rates = ", ".join(
+        f"{row['samples_per_s']:.0f} samples/s with {row['workers']} workers"
+        for row in results["multicrop"]
+    )
+    raw = next((row.get("raw_pixels_knn_top1") for row in results["knn"]), None)
+    lines += [
+        "",
+        f"Multi-crop loader (2 x 8 px + 6 x 4 px crops per digit): {rates}; DINO's step "
+        f"consumes {batch / dino:.0f} samples/s. kNN on raw pixels of the same held-out "
+        f"digits: {'n/a' if raw is None else f'{raw:.1%}'}. Extra arguments of the kNN runs: "
+        f"{' '.join(results['knn_extra_args']) or '(none: the default budget)'}.",
+    ]
+    return lines
+
+
+def write_readme(lines: list[str], path: Path = REPO / "README.md") -> None:
+    text = path.read_text()
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, 20 training steps")
+    parser.add_argument("--output", default="benchmarks/results.json")
+    args = parser.parse_args()
+    results = run(args.quick)
+    standalone.merge(args.output, "methods", results)
+    lines = table_lines(results)
+    print("\n".join(lines))
+    if not args.quick:
+        write_readme(lines)
+
+
+if __name__ == "__main__":
+    main()
