@@ -181,6 +181,9 @@ class TrainConfig:
     )
     knn_k: int = option(20, "kNN neighbours; 0: no evaluation", resume="free", at_least=0)
     linear_probe: bool = option(True, "a linear probe too, at the end", resume="free")
+    eval_teacher: bool = option(
+        False, "moco, byol, dino: evaluate the teacher's encoder, as the papers do", resume="free"
+    )
     log_every: int = option(10, "steps between logged losses", resume="free", at_least=1)
     report_to: str = option(
         "none", "trackers besides metrics.jsonl", resume="free", choices=REPORT_TO
@@ -379,9 +382,11 @@ def _train(
     if data.evaluation is not None:
         knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column,
                        config.image_size, config.skip_bad_images)  # fmt: skip
+    # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher).
+    evaluated = method.teacher.network if config.eval_teacher else accelerator.unwrap_model(model)
     metrics: dict[str, float] = {}
     if step == 0 and knn is not None:
-        metrics["knn_top1_init"] = _evaluate(accelerator, model, knn, config.knn_k, run, step)
+        metrics["knn_top1_init"] = _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
     # Non-finite losses and problems found without a collective: raised at logging and saving.
     checks = StepChecks(accelerator.device)
     save = partial(_save, accelerator, run, model, optimizer, method, state, checks)
@@ -447,7 +452,7 @@ def _train(
                     last_checkpoint, saved_step = save(step), step
                 if knn is not None and config.eval_every and step % config.eval_every == 0:
                     if step < total_steps:
-                        _evaluate(accelerator, model, knn, config.knn_k, run, step)
+                        _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
                 if step == total_steps:
                     break
 
@@ -461,8 +466,8 @@ def _train(
         )
         return TrainResult(unwrapped, metrics, step, None, last_checkpoint, preempted)
     if knn is not None:
-        metrics["knn_top1"] = _evaluate(accelerator, model, knn, config.knn_k, run, step)
-        metrics |= _baselines_and_probe(accelerator, model, knn, config, run, step)
+        metrics["knn_top1"] = _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
+        metrics |= _baselines_and_probe(accelerator, evaluated, knn, config, run, step)
     final = on_main_process(
         run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
     )
@@ -536,27 +541,25 @@ def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -
     return checkpoint.step
 
 
-def _evaluate(accelerator, model, knn: KnnData, k: int, run: RunDirectory, step: int) -> float:
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
-    accuracy = knn_top1(unwrapped, knn, k=k)
-    unwrapped.train()
+def _evaluate(accelerator, encoder, knn: KnnData, k: int, run: RunDirectory, step: int) -> float:
+    encoder.eval()
+    accuracy = knn_top1(encoder, knn, k=k)
+    encoder.train()
     accelerator.log({"knn_top1": accuracy}, step=step)
     if accelerator.is_main_process:
         run.log({"step": step, "knn_top1": accuracy})
     return accuracy
 
 
-def _baselines_and_probe(accelerator, model, knn: KnnData, config, run, step: int) -> dict:
+def _baselines_and_probe(accelerator, encoder, knn: KnnData, config, run, step: int) -> dict:
     """What the trained encoder's figures mean: kNN on raw pixels of the same held-out
     images, and with ``--linear-probe`` the probe of the encoder's and of raw features."""
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.eval()
+    encoder.eval()
     results = {"raw_pixels_knn_top1": knn_top1(RawPixels(), knn, k=config.knn_k)}
     if config.linear_probe:
-        results["linear_probe_top1"] = linear_probe_top1(unwrapped, knn)
+        results["linear_probe_top1"] = linear_probe_top1(encoder, knn)
         results["raw_pixels_linear_probe_top1"] = linear_probe_top1(RawPixels(), knn)
-    unwrapped.train()
+    encoder.train()
     accelerator.log(results, step=step)
     if accelerator.is_main_process:
         run.log({"step": step, **results})

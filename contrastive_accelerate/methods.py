@@ -607,23 +607,24 @@ DINO_OPTIONS = (
     "local_crop_size",
     "dino_center",
 )
-METHOD_OPTIONS = ("loss", "teacher_momentum", "queue_size", "queue_keys", *DINO_OPTIONS)
+TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
+METHOD_OPTIONS = ("loss", *TEACHER_OPTIONS, "queue_size", "queue_keys", *DINO_OPTIONS)
 
 METHODS: dict[str, MethodRow] = {
     "simclr": MethodRow(SimCLRMethod, options=("loss",)),
     "moco": MethodRow(
         MomentumMethod,
         defaults={"temperature": 0.2, "teacher_momentum": 0.99},  # MoCo v3's
-        options=("teacher_momentum", "queue_size", "queue_keys"),
+        options=(*TEACHER_OPTIONS, "queue_size", "queue_keys"),
     ),
     "byol": MethodRow(
         MomentumMethod,
         defaults={"teacher_momentum": 0.996},  # BYOL's
-        options=("teacher_momentum",),
+        options=TEACHER_OPTIONS,
     ),
     "dino": MethodRow(
         DINOMethod,
         defaults={"temperature": 0.1, "teacher_momentum": 0.996},  # DINO's
-        options=("teacher_momentum", *DINO_OPTIONS),
+        options=(*TEACHER_OPTIONS, *DINO_OPTIONS),
     ),
 }

@@ -40,6 +40,7 @@ COMPANIONS = {
     "teacher_momentum": ["--method", "moco"],
     "queue_size": ["--method", "moco"],
     "queue_keys": ["--method", "moco"],
+    "eval_teacher": ["--method", "moco"],
     **{name: ["--method", "dino"] for name in DINO_OPTIONS},
 }
 
@@ -95,7 +96,7 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
     # its own options (DINO's local crops a resnet): every field is in one of three files.
     shared = {n: v for n, v in VALUES.items() if n not in ("method", *METHOD_OPTIONS)}
-    moco_options = ("teacher_momentum", "queue_size", "queue_keys")
+    moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
     dino = {"method": "dino", **{n: VALUES[n] for n in DINO_OPTIONS}}
     files = [

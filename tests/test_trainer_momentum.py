@@ -9,6 +9,7 @@ multiple of the batch and wraps mid-batch. Each negative control removes one mec
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
+from contrastive_accelerate.data import load_image_dataset
+from contrastive_accelerate.knn import knn_data, knn_top1
+from models import SimCLR
 
 from launch import launch, make_image_folder, one_line_errors
 
@@ -76,7 +80,6 @@ def differences(a: Path, b: Path) -> tuple[float, float]:
     ids=[
         "moco+queue-2",
         "moco+queue-3",
-        "byol-3",
         "byol-resnet18-syncbn-3",
         "dino-3",
         "dino-resnet18-syncbn-multi-crop-3",
@@ -210,3 +213,29 @@ def test_control_per_process_crop_seeding(runs):
     student, _ = differences(one, per_process)
     print(f"dino, per-process crop seeding, 1 vs 2 processes: student {student:.1e}")
     assert student > 1e3 * EXACT
+
+
+def test_eval_teacher_evaluates_the_teachers_encoder(tmp_path):
+    """The kNN figure of --eval-teacher is that of the teacher saved in final/; the
+    student's differs (the control)."""
+    # A teacher that barely leaves the initial weights, a student that does.
+    digits = ["--method", "moco", "--model", "mlp", "--batch-size", "32", "--max-steps", "12",
+              "--lr", "0.5", "--teacher-momentum", "0.999", "--knn-k", "1", "--no-linear-probe",
+              "--log-every", "6"]  # fmt: skip
+    accuracy = {}
+    for flags in ([], ["--eval-teacher"]):
+        output = tmp_path / ("teacher" if flags else "student")
+        launch(1, *digits, *flags, "--output-dir", str(output))
+        records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+        accuracy[bool(flags)] = [r["knn_top1"] for r in records if "knn_top1" in r][-1]
+    teacher = SimCLR.from_pretrained(str(tmp_path / "teacher" / "final"))
+    teacher.predictor = None
+    state = load_file(str(tmp_path / "teacher" / "final" / "method.safetensors"))
+    teacher.load_state_dict({name[len("teacher.") :]: value for name, value in state.items()})
+    data = load_image_dataset(None)
+    knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column, 8, False)
+    expected = knn_top1(teacher.eval(), knn, k=1)
+    teacher_accuracy, student_accuracy = accuracy[True], accuracy[False]
+    print(f"kNN: teacher {teacher_accuracy:.4f} ({expected:.4f}), student {student_accuracy:.4f}")
+    assert accuracy[True] == expected
+    assert accuracy[False] != expected
