@@ -124,7 +124,9 @@ class TrainConfig:
         None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: 0.99, else 0.996",
         resume="apply", at_least=0.0, at_most=1.0,
     )  # fmt: skip
-    queue_size: int = option(0, "moco: past keys kept as extra negatives; 0: none", at_least=0)
+    queue_size: int = option(
+        0, "moco, simclr with ntxent: a queue of past keys as negatives; 0: none", at_least=0
+    )
     dino_out_dim: int = option(1024, "dino: outputs of DINO's head", at_least=1)
     center_momentum: float = option(
         0.9, "dino: EMA momentum of the teacher's center", resume="apply", at_least=0.0, at_most=1.0
@@ -218,6 +220,8 @@ class TrainConfig:
             default = next(f.default for f in dataclasses.fields(self) if f.name == name)
             if getattr(self, name) != default and name not in METHODS[self.method].options:
                 raise ConfigError(f"{flag(name)} does not apply to --method {self.method}")
+        if self.queue_size and self.method == "simclr" and self.loss != "ntxent":
+            raise ConfigError(f"--queue-size applies to --loss ntxent, not {self.loss}")
         if self.local_crops and self.model in ("mlp", *VIT_SIZES):
             raise ConfigError(
                 f"--local-crops: {self.model} takes one input size; local crops need a resnet"

@@ -261,6 +261,11 @@ class SimCLRMethod:
     """Two augmented views of each image through one encoder and head, scored by
     ``LOSSES[config.loss]`` over the global batch (SimCLR: Chen et al., 2020).
 
+    With ``--queue-size`` (NT-Xent only) the negatives are a queue of past second-view
+    embeddings instead of the batch, as lightly's ``NTXentLoss(memory_bank_size=...)``:
+    ``MoCoLoss(temperature, batch_negatives=False)(z0, z1, queue)``, the queue a global
+    FIFO of the normalised ``z1`` of every step (``models.momentum.KeyQueue``).
+
     ``config`` is the run's resolved options (``TrainConfig.resolved()``); build it
     after seeding, so that every rank starts from the same weights. ``say`` prints
     notices once (``accelerator.print``).
@@ -294,6 +299,12 @@ class SimCLRMethod:
             logit_bias=config.logit_bias_init if "logit_bias_init" in row.options else None,
         )
         self.row, self.criterion = row, row.make(config)
+        self.queue = None
+        if config.queue_size:
+            self.queue = KeyQueue(config.queue_size, row.head[2], DTYPES[config.dtype], device)
+            self.criterion = MoCoLoss(config.temperature, batch_negatives=False, **_tiles(config))
+        self.global_queue = config.queue_keys == "global"
+        self._new_keys: tuple[torch.Tensor, list[int] | None] | None = None
         self.labels = None
         if row.labels:
             if data.label_column is None:
@@ -316,21 +327,50 @@ class SimCLRMethod:
     ) -> torch.Tensor:
         """The loss of this rank's whole share, from every chunk's ``embed`` output."""
         z0, z1 = _view_halves(outputs)
+        if self.queue is not None:
+            self._new_keys = (F.normalize(z1.detach(), dim=1), sizes)
+            return self.criterion(z0, z1, self.queue.keys(), sizes=sizes)
         labels = None if self.labels is None else self.labels[batch.indices].to(z0.device)
         return self.row.call(self.criterion, self.model, z0, z1, labels, sizes)
 
     def after_step(self, step: int) -> None:
-        """Nothing: SimCLR has no teacher."""
+        """This step's second views into the queue, if there is one; SimCLR has no teacher."""
+        if self._new_keys is not None:
+            push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
+            self._new_keys = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
+        return self.queue.state_dict() if self.queue is not None else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise TrainerError(
-                f"the checkpoint carries method state ({', '.join(sorted(state))}) that "
-                "--method simclr does not have"
-            )
+        load_queue(self.queue, state)
+
+
+def push_batch_keys(
+    queue: KeyQueue, keys: torch.Tensor, sizes: list[int] | None, *, global_keys: bool = True
+) -> None:
+    """A step's keys into ``queue``: ``keys`` are this rank's rows, each row the keys of
+    its views side by side; gathered into the global batch (unless ``global_keys`` is
+    off: the per-rank control), then queued view by view in global sample order."""
+    if global_keys and is_distributed():
+        keys = collectives.gather(keys, sizes=sizes)
+    views = keys.shape[1] // queue.buffer.shape[1]
+    queue.push(torch.cat(keys.chunk(views, dim=1)))
+
+
+def load_queue(queue: KeyQueue | None, state: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's queue, refusing one this run has no room for, and the reverse."""
+    if set(state) - {"queue"}:
+        raise TrainerError(
+            f"the checkpoint carries method state ({', '.join(sorted(set(state) - {'queue'}))}) "
+            "that this run's --method does not have"
+        )
+    if (queue is None) != ("queue" not in state):
+        has = "has a queue" if "queue" in state else "has no queue"
+        size = queue.size if queue is not None else 0
+        raise TrainerError(f"the checkpoint {has}, and this run's --queue-size is {size}")
+    if queue is not None:
+        queue.load_state_dict(state)
 
 
 class MomentumMethod:
@@ -418,11 +458,7 @@ class MomentumMethod:
             self.model, cosine_momentum(step + 1, self.total_steps, self.base_momentum)
         )
         if self._new_keys is not None:
-            keys, sizes = self._new_keys
-            if self.global_queue and is_distributed():
-                keys = collectives.gather(keys, sizes=sizes)
-            width = keys.shape[1] // 2
-            self.queue.push(torch.cat([keys[:, :width], keys[:, width:]]))  # view 0, then view 1
+            push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
             self._new_keys = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -430,13 +466,7 @@ class MomentumMethod:
         return teacher_state(self.teacher) | queue
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        rest = load_teacher(self.teacher, state, self.name)
-        if (self.queue is None) != ("queue" not in rest):
-            has = "has a queue" if "queue" in rest else "has no queue"
-            size = self.queue.size if self.queue is not None else 0
-            raise TrainerError(f"the checkpoint {has}, and this run's --queue-size is {size}")
-        if self.queue is not None:
-            self.queue.load_state_dict(rest)
+        load_queue(self.queue, load_teacher(self.teacher, state, self.name))
 
 
 def teacher_state(teacher: EMATeacher) -> dict[str, torch.Tensor]:
@@ -611,7 +641,7 @@ TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
 METHOD_OPTIONS = ("loss", *TEACHER_OPTIONS, "queue_size", "queue_keys", *DINO_OPTIONS)
 
 METHODS: dict[str, MethodRow] = {
-    "simclr": MethodRow(SimCLRMethod, options=("loss",)),
+    "simclr": MethodRow(SimCLRMethod, options=("loss", "queue_size", "queue_keys")),
     "moco": MethodRow(
         MomentumMethod,
         defaults={"temperature": 0.2, "teacher_momentum": 0.99},  # MoCo v3's

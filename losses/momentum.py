@@ -23,7 +23,9 @@ class MoCoLoss(nn.Module):
                              - q_i . k_i / t ]
 
     Without ``batch_negatives`` the first sum has only the positive ``j = i``: MoCo v2,
-    and lightly's ``NTXentLoss(memory_bank_size=...)`` for a bank of the same rows. Each
+    and lightly's ``NTXentLoss(memory_bank_size=...)`` for a bank of the same rows (an
+    empty queue then leaves no negatives and a loss of 0; MoCo and lightly start from
+    random keys). Each
     rank scores its own queries against the gathered keys, with positives at their
     global index (uneven batches included; MoCo v3 assumes ``arange(n) + rank * n``),
     and the queue is the same on every rank. Keys take a gradient only if they have one
@@ -84,11 +86,13 @@ class MoCoLoss(nn.Module):
                 lse = tiled_logsumexp(
                     q, torch.cat(columns), None, self.tile_rows, self.dense_max_bytes
                 )
-            else:
+            elif has_queue:
                 negatives = tiled_logsumexp(
                     q, columns[0], None, self.tile_rows, self.dense_max_bytes
                 )
                 lse = torch.logaddexp(positive, negatives)
+            else:  # no negatives yet (an empty queue): the loss is 0
+                lse = positive
             return (lse - positive).sum() * (world_size / sum(sizes))
 
 

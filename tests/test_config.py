@@ -187,6 +187,7 @@ def test_usage_errors_are_one_line(capfd):
     [
         ({"method": "moco", "loss": "dcl"}, "--loss does not apply to --method moco"),
         ({"method": "byol", "queue_size": 8}, "--queue-size does not apply to --method byol"),
+        ({"loss": "dcl", "queue_size": 8}, "--queue-size applies to --loss ntxent, not dcl"),
         ({"teacher_momentum": 0.99}, "--teacher-momentum does not apply to --method simclr"),
         ({"method": "moco", "teacher_momentum": 1.5}, "--teacher-momentum 1.5: must be"),
         ({"method": "moco", "teacher_momentum": -0.1}, "--teacher-momentum -0.1: must be"),

@@ -321,3 +321,10 @@ def test_multi_crop_draws_each_samples_crops_from_its_seed_epoch_and_index():
         4,
         4,
     )
+
+
+def test_an_empty_queue_adds_no_negatives():
+    queries, keys = _pairs()
+    empty = torch.empty(0, 8, dtype=torch.float64)
+    assert MoCoLoss(0.2)(queries, keys, empty).item() == MoCoLoss(0.2)(queries, keys).item()
+    assert MoCoLoss(0.2, batch_negatives=False)(queries, keys, empty).item() == 0.0

@@ -239,3 +239,19 @@ def test_eval_teacher_evaluates_the_teachers_encoder(tmp_path):
     print(f"kNN: teacher {teacher_accuracy:.4f} ({expected:.4f}), student {student_accuracy:.4f}")
     assert accuracy[True] == expected
     assert accuracy[False] != expected
+
+
+SIMCLR_QUEUE = ["--queue-size", "10", *MLP]
+
+
+def test_simclr_with_a_queue_is_world_size_invariant_and_resumes(runs, images, tmp_path):
+    """lightly's NTXentLoss(memory_bank_size=...): the negatives are a queue of past
+    second views, here global and in the checkpoint."""
+    student, state = differences(runs(1, *SIMCLR_QUEUE), runs(3, *SIMCLR_QUEUE))
+    straight = runs(1, *SIMCLR_QUEUE)
+    resumed = _resume(images, 1, straight / "checkpoint-3", tmp_path / "resumed", SIMCLR_QUEUE)
+    resumed_student, resumed_state = differences(straight, resumed)
+    print(f"simclr + queue, 1 vs 3 processes: student {student:.1e}, queue {state:.1e}; "
+          f"resumed at step 3: {resumed_student:.1e}, {resumed_state:.1e}")  # fmt: skip
+    assert student <= EXACT and state <= EXACT
+    assert resumed_student == 0.0 and resumed_state == 0.0
