@@ -147,6 +147,10 @@ class TrainConfig:
     dropout: float | None = option(
         None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
     )
+    drop_path: float = option(
+        0.0, "vit: stochastic depth of the last block, linear from 0 (DINO: 0.1)",
+        at_least=0.0, below=1.0,
+    )  # fmt: skip
     sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
     # Optimisation
     batch_size: int = option(128, "global batch size, split across processes", at_least=2)
@@ -231,6 +235,8 @@ class TrainConfig:
                 f"--local-crop-size {self.local_crop_size} is larger than the global crops "
                 f"(--image-size {self.image_size})"
             )
+        if self.drop_path and self.model not in VIT_SIZES:
+            raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
             raise ConfigError(
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"

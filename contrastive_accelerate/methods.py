@@ -208,17 +208,20 @@ def image_model(
         projection_hidden_dim=hidden,
         projection_dim=width,
         dropout=config.dropout,
+        drop_path=config.drop_path,
         **heads,
     ).to(DTYPES[config.dtype])
     if world_size > 1 and config.sync_batchnorm:
         model = convert_sync_batchnorm(model)
     chunks = config.accumulation_chunks
-    if config.dropout and config.dropout_masks == "per-sample":
+    random = config.dropout or config.drop_path
+    if random and config.dropout_masks == "per-sample":
         model = convert_sample_dropout(model)  # masks keyed by sample: see embed_two_views
-    elif config.dropout and (world_size > 1 or chunks > 1):
+    elif random and (world_size > 1 or chunks > 1):
         say(
-            "warning: --dropout-masks per-process draws masks from each process's RNG: "
-            "training is not world-size invariant, and the chunks' recompute draws new masks"
+            "warning: --dropout-masks per-process draws dropout and drop-path masks from each "
+            "process's RNG: training is not world-size invariant, and the chunks' recompute "
+            "draws new masks"
         )
     if chunks > 1 and has_batch_statistics(model):
         say(

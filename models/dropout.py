@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torchvision.ops import StochasticDepth
 
 from contrastive_accelerate.compat import DropoutBase
 
@@ -79,20 +80,24 @@ class SampleDropout(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
+        keep = self.mask(self.row_keys(input), input.shape)
+        # The bool mask is what autograd keeps for backward, as nn.Dropout's does.
+        return (input * keep).mul_(1.0 / (1.0 - self.p))
+
+    def row_keys(self, input: torch.Tensor) -> torch.Tensor:
+        """The keys of ``input``'s rows, from the enclosing ``sample_randomness``."""
         keys = _ROW_KEYS.get()
         if keys is None:
             raise RuntimeError(
-                "SampleDropout needs each row's key: run the forward inside "
+                f"{type(self).__name__} needs each row's key: run the forward inside "
                 "models.sample_randomness(keys)"
             )
         if keys.shape != input.shape[:1]:
             raise RuntimeError(
-                f"SampleDropout got {input.shape[0]} rows and {len(keys)} keys: give one key "
-                "per row of the batch"
+                f"{type(self).__name__} got {input.shape[0]} rows and {len(keys)} keys: give "
+                "one key per row of the batch"
             )
-        keep = self.mask(keys.to(input.device), input.shape)
-        # The bool mask is what autograd keeps for backward, as nn.Dropout's does.
-        return (input * keep).mul_(1.0 / (1.0 - self.p))
+        return keys.to(input.device)
 
     def mask(self, keys: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The bool keep-mask of a batch of ``shape`` whose rows have ``keys``."""
@@ -118,9 +123,23 @@ class SampleDropout(nn.Module):
         return keep.view(shape)
 
 
+class SampleDropPath(SampleDropout):
+    """Stochastic depth (Huang et al., 2016) per sample: torchvision's
+    ``StochasticDepth(p, "row")`` with row ``b``'s whole residual branch kept or dropped
+    by its key, and the kept rows scaled by ``1 / (1 - p)``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        row_shape = (input.shape[0],) + (1,) * (input.dim() - 1)
+        keep = self.mask(self.row_keys(input), torch.Size(row_shape))
+        return (input * keep).mul_(1.0 / (1.0 - self.p))
+
+
 def convert_sample_dropout(module: nn.Module) -> nn.Module:
     """Replace every ``nn.Dropout`` in ``module`` by a ``SampleDropout`` of the same ``p``
-    (each with its own salt), as ``convert_sync_batchnorm`` does for BatchNorm.
+    and every torchvision ``StochasticDepth(p, "row")`` by a ``SampleDropPath`` (each with
+    its own salt), as ``convert_sync_batchnorm`` does for BatchNorm.
 
     Raises ``ValueError`` for randomness it cannot key by sample: channel dropout
     (``nn.Dropout1d/2d/3d``, ``AlphaDropout``) and the attention-probability dropout
@@ -135,12 +154,17 @@ def convert_sample_dropout(module: nn.Module) -> nn.Module:
             )
         if isinstance(child, DropoutBase) and type(child) is not nn.Dropout:
             raise ValueError(f"{name}: {type(child).__name__} cannot be made per-sample")
+        if isinstance(child, StochasticDepth) and child.mode != "row":
+            raise ValueError(f"{name}: StochasticDepth in {child.mode!r} mode is not per-sample")
 
     def convert(parent: nn.Module) -> nn.Module:
         nonlocal salt
         if type(parent) is nn.Dropout:
             salt += 1
             return SampleDropout(parent.p, salt=salt)
+        if isinstance(parent, StochasticDepth):
+            salt += 1
+            return SampleDropPath(parent.p, salt=salt)
         for child_name, child in parent.named_children():
             parent.add_module(child_name, convert(child))
         return parent

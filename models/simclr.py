@@ -9,6 +9,7 @@ import torch
 import torchvision
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
+from torchvision.ops import StochasticDepth
 
 from models.dino import DINOHead
 
@@ -39,6 +40,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     of the head's shape (BatchNorm for the ResNets) from ``projection_dim`` to itself:
     ``forward`` then returns predictions, and a momentum teacher made without it
     (``models.momentum.EMATeacher(model, without=("predictor",))``) returns projections.
+    ``drop_path`` adds stochastic depth to the ViT's blocks, DINO's linear rates from 0
+    to ``drop_path`` at the last block (keyed by sample after ``convert_sample_dropout``).
     ``dino_out_dim`` replaces the projection head with DINO's (``models.dino.DINOHead``,
     ``projection_hidden_dim`` wide, into ``projection_dim``, then ``dino_out_dim`` logits).
 
@@ -63,6 +66,7 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         dropout: float = 0.0,
         prediction_hidden_dim: int | None = None,
         dino_out_dim: int | None = None,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         if backbone not in BACKBONES:
@@ -71,6 +75,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
             raise ValueError(f"projection_layers must be >= 2, got {projection_layers}")
         if dropout and backbone not in ("mlp", *VIT_SIZES):
             raise ValueError(f"dropout applies to the vit and mlp backbones, not {backbone}")
+        if drop_path and backbone not in VIT_SIZES:
+            raise ValueError(f"drop_path applies to the vit backbones, not {backbone}")
         # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
         # the model, so DDP synchronises them and checkpoints carry them.
         self.log_logit_scale = (
@@ -107,7 +113,7 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
             self._dino_head(hidden, dino_out_dim, projection_hidden_dim, projection_dim)
             return
         if backbone in VIT_SIZES:
-            self.encoder = _vision_transformer(backbone, image_size, dropout)
+            self.encoder = _vision_transformer(backbone, image_size, dropout, drop_path)
             self.projection_head = _head(
                 self.encoder.hidden_dim,
                 projection_hidden_dim,
@@ -151,7 +157,7 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         return projections if self.predictor is None else self.predictor(projections)
 
 
-def _vision_transformer(name: str, image_size: int, dropout: float) -> nn.Module:
+def _vision_transformer(name: str, image_size: int, dropout: float, drop_path: float) -> nn.Module:
     layers, heads, width, mlp_width = VIT_SIZES[name]
     patch_size = 16 if image_size > 64 else max(1, image_size // 8)
     if image_size % patch_size:
@@ -169,7 +175,35 @@ def _vision_transformer(name: str, image_size: int, dropout: float) -> nn.Module
         attention_dropout=0.0,  # drawn inside nn.MultiheadAttention: not per-sample
     )
     vit.heads = nn.Identity()  # the class token's features
+    if drop_path:  # DINO's rates: linear from 0 at the first block to drop_path at the last
+        blocks = vit.encoder.layers
+        for index, name in enumerate(list(blocks._modules)):
+            rate = drop_path * index / max(len(blocks) - 1, 1)
+            blocks._modules[name] = _StochasticDepthBlock(blocks._modules[name], rate)
     return vit
+
+
+class _StochasticDepthBlock(nn.Module):
+    """torchvision's ``EncoderBlock`` with stochastic depth on both residual branches
+    (``StochasticDepth(rate, "row")``, which ``convert_sample_dropout`` keys by sample);
+    its submodules keep their names, so its state is the block's."""
+
+    def __init__(self, block: nn.Module, rate: float) -> None:
+        super().__init__()
+        self.ln_1, self.self_attention, self.dropout = (
+            block.ln_1,
+            block.self_attention,
+            block.dropout,
+        )
+        self.ln_2, self.mlp = block.ln_2, block.mlp
+        self.drop_path_attention = StochasticDepth(rate, "row")
+        self.drop_path_mlp = StochasticDepth(rate, "row")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = input + self.drop_path_attention(self.dropout(x))
+        return x + self.drop_path_mlp(self.mlp(self.ln_2(x)))
 
 
 def _head(

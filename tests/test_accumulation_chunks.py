@@ -1,10 +1,11 @@
 """``--accumulation-chunks`` and per-sample dropout under a real ``accelerate launch``.
 
-ViT-Tiny with dropout 0.1 and augmentations, float64, the same command line on
+ViT-Tiny with dropout 0.1, stochastic depth 0.2 (``--drop-path``) and augmentations,
+float64, the same command line on
 (processes, chunks) = (1, 1), (1, 4), (2, 2) and (3, 1): one model. 14 images in global
 batches of 12 make the second batch 2 pairs, so (3, 1) has an idle rank and (1, 4),
-(2, 2) have empty chunks. The negative control keeps torch's nn.Dropout, whose masks
-depend on the process.
+(2, 2) have empty chunks. The negative controls keep torch's nn.Dropout and
+torchvision's StochasticDepth, whose masks depend on the process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ VIT = [
     "vit_tiny",
     "--dropout",
     "0.1",
+    "--drop-path",
+    "0.2",
     "--image-size",
     "8",
     "--dtype",
@@ -70,7 +73,7 @@ def runs(tmp_path_factory, images):
 @pytest.mark.parametrize("setup", SETUPS[1:], ids=lambda s: f"{s[0]}proc_{s[1]}chunks")
 def test_vit_with_dropout_is_the_same_model_for_any_processes_and_chunks(runs, setup):
     diff = max_abs_diff(runs[1, 1] / "final", runs[setup] / "final")
-    print(f"ViT-Tiny, dropout 0.1: (1, 1) vs {setup}: {diff:.2e}")
+    print(f"ViT-Tiny, dropout 0.1, drop path 0.2: (1, 1) vs {setup}: {diff:.2e}")
     assert diff <= EXACT
 
 
@@ -93,13 +96,17 @@ def test_mid_epoch_resume_with_chunks_equals_the_straight_run(runs, images, tmp_
     assert diff == 0.0
 
 
-def test_negative_control_torch_dropout_depends_on_the_processes(runs, images, tmp_path):
+@pytest.mark.parametrize(
+    "random", [["--dropout", "0.1"], ["--dropout", "0"]], ids=["dropout", "drop-path-only"]
+)
+def test_negative_control_torch_dropout_depends_on_the_processes(runs, images, tmp_path, random):
     outputs = {}
     for processes in (1, 2):
         outputs[processes] = tmp_path / f"p{processes}"
         result = launch(
             processes,
             *VIT,
+            *random,
             "--dataset",
             images,
             "--dropout-masks",
@@ -109,7 +116,7 @@ def test_negative_control_torch_dropout_depends_on_the_processes(runs, images, t
         )
     assert "not world-size invariant" in result.stdout + result.stderr
     diff = max_abs_diff(outputs[1] / "final", outputs[2] / "final")
-    print(f"nn.Dropout, 1 vs 2 processes: {diff:.2e}")
+    print(f"torch's masks ({' '.join(random)}, --drop-path 0.2), 1 vs 2 processes: {diff:.2e}")
     assert diff > 1e3 * EXACT
 
 

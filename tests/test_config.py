@@ -37,6 +37,7 @@ VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is 
 # Options valid only beside another option's value.
 COMPANIONS = {
     "dropout": ["--model", "mlp"],
+    "drop_path": ["--model", "vit_tiny"],
     "teacher_momentum": ["--method", "moco"],
     "queue_size": ["--method", "moco"],
     "queue_keys": ["--method", "moco"],
@@ -95,12 +96,18 @@ def test_every_field_is_settable_from_the_command_line(field):
 def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
     # its own options (DINO's local crops a resnet): every field is in one of three files.
-    shared = {n: v for n, v in VALUES.items() if n not in ("method", *METHOD_OPTIONS)}
+    shared = {n: v for n, v in VALUES.items() if n not in ("method", "drop_path", *METHOD_OPTIONS)}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
     dino = {"method": "dino", **{n: VALUES[n] for n in DINO_OPTIONS}}
     files = [
-        {**shared, "loss": VALUES["loss"], "overwrite_output_dir": None},
+        {
+            **shared,
+            "loss": VALUES["loss"],
+            "overwrite_output_dir": None,
+            "model": "vit_tiny",
+            "drop_path": VALUES["drop_path"],
+        },  # fmt: skip
         {**shared, **moco, "resume_from": None},
         {**shared, **dino, "resume_from": None, "dropout": None, "model": "resnet34"},
     ]
@@ -192,6 +199,7 @@ def test_usage_errors_are_one_line(capfd):
         ({"method": "moco", "teacher_momentum": 1.5}, "--teacher-momentum 1.5: must be"),
         ({"method": "moco", "teacher_momentum": -0.1}, "--teacher-momentum -0.1: must be"),
         ({"method": "dino", "loss": "dcl"}, "--loss does not apply to --method dino"),
+        ({"drop_path": 0.1}, "--drop-path applies to the vit encoders, not resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
         ({"method": "dino", "model": "mlp", "local_crops": 2}, "local crops need a resnet"),
         (

@@ -7,9 +7,17 @@ import math
 import pytest
 import torch
 from torch import nn
+from torchvision.ops import StochasticDepth
 
 import models.dropout as dropout_module
-from models import SampleDropout, SimCLR, convert_sample_dropout, sample_keys, sample_randomness
+from models import (
+    SampleDropout,
+    SampleDropPath,
+    SimCLR,
+    convert_sample_dropout,
+    sample_keys,
+    sample_randomness,
+)
 
 
 def _dropout(layer: nn.Module, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -110,6 +118,7 @@ def test_converter_swaps_every_dropout_of_the_vit_with_distinct_salts():
     [
         (nn.MultiheadAttention(8, 2, dropout=0.1), "attention dropout"),
         (nn.Sequential(nn.Dropout2d(0.1)), "Dropout2d cannot be made per-sample"),
+        (nn.Sequential(StochasticDepth(0.1, "batch")), "'batch' mode is not per-sample"),
     ],
 )
 def test_converter_refuses_randomness_it_cannot_key_by_sample(module, message):
@@ -132,3 +141,25 @@ def test_the_cpu_blocks_do_not_change_the_mask(monkeypatch):
     whole = layer.mask(keys, torch.Size((37, 5, 7)))
     monkeypatch.setattr(dropout_module, "CPU_BLOCK_ELEMENTS", 3 * 35)  # 3 rows per block
     assert torch.equal(layer.mask(keys, torch.Size((37, 5, 7))), whole)
+
+
+def test_drop_path_keeps_or_drops_each_rows_whole_branch_by_its_key():
+    layer = SampleDropPath(0.25, salt=3)
+    keys = sample_keys(seed=0, step=2, indices=torch.arange(4000))
+    x = torch.ones(4000, 5, 6)
+    out = _dropout(layer, x, keys)
+    kept = out[:, 0, 0] != 0
+    assert torch.equal(out, kept[:, None, None] * x / 0.75)  # whole rows, scaled
+    rate = 1 - kept.double().mean().item()
+    assert abs(rate - 0.25) < 4 * math.sqrt(0.25 * 0.75 / 4000)  # 4 sigma
+    half = _dropout(layer, x[2000:], keys[2000:])  # a row's decision is its own
+    assert torch.equal(half, out[2000:])
+
+
+def test_converter_keys_the_vits_stochastic_depth_by_sample():
+    model = convert_sample_dropout(SimCLR("vit_tiny", image_size=8, drop_path=0.2))
+    paths = [m for m in model.modules() if isinstance(m, SampleDropPath)]
+    assert not any(isinstance(m, StochasticDepth) for m in model.modules())
+    assert len(paths) == 2 * 12  # both residual branches of every block
+    assert paths[0].p == 0.0 and paths[-1].p == pytest.approx(0.2)  # DINO's linear rates
+    assert len({m.salt for m in model.modules() if isinstance(m, SampleDropout)}) == 1 + 12 * 5
