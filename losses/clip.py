@@ -27,6 +27,10 @@ class InfoNCELoss(nn.Module):
 
         loss = 1/(2N) * sum_i [ CE(l_i., i) + CE(l_.i, i) ]
              = 1/(2N) * sum_i [ log sum_j exp(l_ij) + log sum_j exp(l_ji) - 2 l_ii ]
+             = 1/(2N) * sum_i [ softplus(log sum_{j != i} exp(l_ij) - l_ii) + (the same for l_ji) ]
+
+    The last form is what is computed: each term is never negative and stays exact near
+    0, where a well-trained CLIP sits (the middle form subtracts nearly equal values).
 
     On one process this is open_clip's ``ClipLoss``. Each rank computes its own rows
     of both directions against the gathered columns of the other tower, with
@@ -78,11 +82,13 @@ class InfoNCELoss(nn.Module):
             tile_rows = self.tile_rows or auto_tile_rows(
                 len(f0), len(keys0), f0, self.dense_max_bytes
             )
-            lse0 = tiled_logsumexp(scale * f0, keys1, None, tile_rows)
-            lse1 = tiled_logsumexp(scale * f1, keys0, None, tile_rows)
+            rows = torch.arange(len(f0), device=f0.device)
+            own = (sum(sizes[:rank]) + rows)[:, None]  # each row's positive column
+            negatives0 = tiled_logsumexp(scale * f0, keys1, own, tile_rows)
+            negatives1 = tiled_logsumexp(scale * f1, keys0, own, tile_rows)
             positive = scale * (f0 * f1).sum(dim=1)
-            local_sum = lse0.sum() + lse1.sum() - 2 * positive.sum()
-            return local_sum * (world_size / (2 * sum(sizes)))
+            terms = F.softplus(negatives0 - positive) + F.softplus(negatives1 - positive)
+            return terms.sum() * (world_size / (2 * sum(sizes)))
 
 
 class SigLIPLoss(nn.Module):

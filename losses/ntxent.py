@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from losses.logsumexp import DENSE_MAX_BYTES
 from losses.precision import autocast_off
@@ -16,6 +17,11 @@ class NTXentLoss(TwoViewLoss):
     ``s_ij = z_i . z_j / temperature`` and ``p(i)`` the other view of sample i::
 
         loss = 1/(2N) * sum_i [ -s_{i,p(i)} + log sum_{j != i} exp(s_ij) ]
+             = 1/(2N) * sum_i softplus( log sum_{j != i, p(i)} exp(s_ij) - s_{i,p(i)} )
+
+    The second form is what is computed: each term is never negative and stays exact
+    near 0, where the first form subtracts two nearly equal log-sum-exps (a well-trained
+    encoder's loss would read slightly negative in float32).
 
     Each rank computes the rows of its own 2n samples against all 2N gathered
     columns, never the full 2N x 2N matrix, with one similarity matmul over both
@@ -53,6 +59,9 @@ class NTXentLoss(TwoViewLoss):
     ) -> torch.Tensor:
         with autocast_off(out0.device):
             views = self._gathered(out0, out1, sizes=sizes)
-            log_denominator = self._log_denominator(views, self._own_columns(views))
+            own = self._own_columns(views)
+            positive_column = own.roll(len(views.z0), dims=0)  # row i + n, and back
+            negatives = self._log_denominator(views, torch.cat([own, positive_column], 1))
             positive = (views.z0 * views.z1).sum(dim=1) / self.temperature
-            return self._global_mean(log_denominator.sum() - 2 * positive.sum(), views)
+            terms = F.softplus(negatives - torch.cat([positive, positive]))
+            return self._global_mean(terms.sum(), views)

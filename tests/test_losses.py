@@ -34,6 +34,7 @@ from losses import (
     SigLIPLoss,
     SupConLoss,
 )
+from losses.logsumexp import tiled_logsumexp
 
 from loss_cases import (
     CASES,
@@ -296,3 +297,42 @@ def test_bad_input_raises_on_every_rank(bad_input_results, problem):
 def test_arguments_after_the_first_are_keyword_only(call):
     with pytest.raises(TypeError, match="positional argument"):
         call()
+
+
+def _aligned_pairs(noise: float):
+    """Unit pairs whose positives dominate: a well-trained encoder, whose loss is near 0."""
+    generator = torch.Generator().manual_seed(0)
+    f0 = torch.nn.functional.normalize(
+        torch.randn(256, 64, generator=generator, dtype=torch.float64), dim=1
+    )
+    noisy = f0 + noise * torch.randn(256, 64, generator=generator, dtype=torch.float64)
+    return f0, torch.nn.functional.normalize(noisy, dim=1)
+
+
+NEAR_ZERO = {  # at logit scale 100, CLIP's clamp (NT-Xent: temperature 0.01)
+    "infonce": lambda f0, f1: InfoNCELoss()(f0, f1, 100.0),
+    "ntxent": lambda f0, f1: NTXentLoss(0.01)(f0, f1),
+}
+
+
+@pytest.mark.parametrize("noise", [0.01, 0.1])
+@pytest.mark.parametrize("name", list(NEAR_ZERO))
+def test_values_near_zero_stay_exact_in_float32_and_never_negative(name, noise):
+    """Float32 against float64 where the loss is 1e-24 to 1e-11. Each term is a softplus
+    of (negatives' log-sum-exp - positive), whose argument (about -60 to -30) float32
+    holds to ~1e-6 relative: 1e-4 relative to the value is generous."""
+    f0, f1 = _aligned_pairs(noise)
+    reference = NEAR_ZERO[name](f0, f1).item()
+    value = NEAR_ZERO[name](f0.float(), f1.float()).item()
+    print(f"{name}, noise {noise}: float64 {reference:.3e}, float32 {value:.3e}")
+    assert 0 < value == pytest.approx(reference, rel=1e-4)
+
+
+def test_control_the_subtractive_form_reads_negative_near_zero():
+    """``log sum_j exp(l_ij) - l_ii`` (open_clip's, and ours before): the rows' float32
+    rounding (~1e-5 at scale 100) swamps a loss of 1e-24 and some rows go negative."""
+    f0, f1 = (f.float() for f in _aligned_pairs(0.01))
+    rows = tiled_logsumexp(100 * f0, f1) - 100 * (f0 * f1).sum(dim=1)
+    print(f"subtractive form: row minimum {rows.min().item():.1e}, mean {rows.mean().item():.1e}")
+    assert rows.min().item() < 0
+    assert abs(rows.mean().item()) > 1e6 * InfoNCELoss()(*_aligned_pairs(0.01), 100.0).item()
