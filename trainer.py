@@ -96,7 +96,7 @@ class TrainConfig:
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str = option("ntxent", "objective, exact on any number of processes", choices=LOSSES)
     temperature: float | None = option(
-        None, "ntxent, dcl, dclw, supcon, moco, dino student; none: 0.5, moco 0.2, dino 0.1",
+        None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",
         resume="apply", above=0.0,
     )  # fmt: skip
     dclw_sigma: float = option(0.5, "dclw: scale of the vMF weights", resume="apply", above=0.0)
