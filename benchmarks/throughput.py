@@ -42,6 +42,7 @@ class _IndexToItem(Dataset):
 
 
 def hand_written_loop(config: TrainConfig, accelerator: Accelerator | None = None) -> float:
+    config = config.resolved()  # the same derived defaults as the trainer's (temperature)
     accelerator = accelerator or Accelerator(cpu=True)
     torch.manual_seed(config.seed)
     data = load_image_dataset(None)
