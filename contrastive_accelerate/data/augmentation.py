@@ -9,13 +9,16 @@ persistent workers stay correct.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import torch
 from torchvision.transforms import v2
 
 from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, read_image, resize_to
 from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
+
+T = TypeVar("T")
 
 
 def simclr_augmentation(
@@ -36,6 +39,22 @@ def simclr_augmentation(
         kernel = int(0.1 * image_size) // 2 * 2 + 1
         transforms.append(v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5))
     return v2.Compose(transforms)
+
+
+def drawn_for_sample(draw: Callable[[], T], seed: int, epoch: int, index: int) -> T:
+    """``draw()`` with torchvision's random draws seeded from (seed, epoch, index).
+
+    Reseeds the CPU generator that torchvision draws from, and restores it so the
+    caller's stream (e.g. dropout when num_workers=0) is untouched. Not
+    ``torch.manual_seed``: it also seeds every accelerator backend, ~100x slower.
+    """
+    generator = torch.default_generator
+    caller_state = generator.get_state()
+    generator.manual_seed(derive_seed(seed, AUGMENT_STREAM, epoch, index))
+    try:
+        return draw()
+    finally:
+        generator.set_state(caller_state)
 
 
 class TwoViews(torch.utils.data.Dataset):
@@ -77,18 +96,13 @@ class TwoViews(torch.utils.data.Dataset):
             # A fresh exception, without the caught one's traceback: its frames would keep
             # this dataset and its Arrow tables alive in a reference cycle until shutdown.
             return UnreadableImage(str(unreadable))
+
+        def draw():
+            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
+
         if not self.per_sample_seed:
-            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
-        # Reseed the CPU generator that torchvision draws from, and restore it so the
-        # caller's stream (e.g. dropout when num_workers=0) is untouched. Not
-        # torch.manual_seed: it also seeds every accelerator backend, ~100x slower.
-        generator = torch.default_generator
-        caller_state = generator.get_state()
-        generator.manual_seed(derive_seed(self.seed, AUGMENT_STREAM, epoch, index))
-        try:
-            return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
-        finally:
-            generator.set_state(caller_state)
+            return draw()
+        return drawn_for_sample(draw, self.seed, epoch, index)
 
     def collate(self, items: list) -> TwoViewBatch:
         """Stack the readable items' views and dataset indices; an empty share (short last
@@ -171,13 +185,7 @@ class MultiCrop(torch.utils.data.Dataset):
             return UnreadableImage(str(unreadable))  # see TwoViews.__getitem__
         if not self.per_sample_seed:
             return (*self._crops(image), index)
-        generator = torch.default_generator
-        caller_state = generator.get_state()
-        generator.manual_seed(derive_seed(self.seed, AUGMENT_STREAM, epoch, index))
-        try:
-            return (*self._crops(image), index)
-        finally:
-            generator.set_state(caller_state)
+        return drawn_for_sample(lambda: (*self._crops(image), index), self.seed, epoch, index)
 
     def collate(self, items: list) -> MultiCropBatch:
         """Crops stacked per crop, ``(crops, n, C, H, W)`` per resolution; unreadable images
