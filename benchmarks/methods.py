@@ -35,7 +35,6 @@ from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-README_START, README_END = "<!-- benchmarks.methods: start -->", "<!-- benchmarks.methods: end -->"
 
 
 def _built(name: str, batch_size: int, data):
@@ -181,12 +180,6 @@ def table_lines(results: dict) -> list[str]:
     return lines
 
 
-def write_readme(lines: list[str], path: Path = REPO / "README.md") -> None:
-    text = path.read_text()
-    start, end = text.index(README_START) + len(README_START), text.index(README_END)
-    path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 20 training steps")
@@ -197,7 +190,7 @@ def main() -> None:
     lines = table_lines(results)
     print("\n".join(lines))
     if not args.quick:
-        write_readme(lines)
+        standalone.write_readme("methods", lines)
 
 
 if __name__ == "__main__":

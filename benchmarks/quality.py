@@ -121,16 +121,6 @@ def table_lines(results: dict) -> list[str]:
     return lines
 
 
-README_START, README_END = "<!-- benchmarks.quality: start -->", "<!-- benchmarks.quality: end -->"
-
-
-def write_readme(lines: list[str], path: Path = REPO / "README.md") -> None:
-    """Replace the README's table between its two markers (the one place of the figure)."""
-    text = path.read_text()
-    start, end = text.index(README_START) + len(README_START), text.index(README_END)
-    path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, 1 kernel path, 40 steps")
@@ -142,7 +132,7 @@ def main() -> None:
     lines = table_lines(results)
     print("\n".join(lines))
     if not args.quick and not args.trainer_args:  # only the default recipe's figure goes there
-        write_readme(lines)
+        standalone.write_readme("quality", lines)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def main(
@@ -34,3 +37,15 @@ def merge(path: str, name: str, results: dict) -> None:
     everything[name] = results
     with open(path, "w") as file:
         json.dump(everything, file, indent=2)
+
+
+def write_readme(name: str, lines: list[str], path: Path = README) -> None:
+    """Replace the README's text between ``<!-- benchmarks.NAME: start -->`` and its end
+    marker with ``lines``: the one place of a benchmark's figures."""
+    start_marker, end_marker = (
+        f"<!-- benchmarks.{name}: start -->",
+        f"<!-- benchmarks.{name}: end -->",
+    )
+    text = path.read_text()
+    start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
+    path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
