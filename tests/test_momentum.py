@@ -228,9 +228,10 @@ def _dino_inputs(rows: int = 12, dim: int = 16):
 class CropsDINOLoss(nn.Module):
     """DINOLoss on tensors (the harness splits tensors, not lists): 3 student crops."""
 
-    def __init__(self, teacher_temperature: float = 0.04) -> None:
+    def __init__(self, teacher_temperature: float = 0.04, local: bool = False) -> None:
         super().__init__()
-        self.loss, self.teacher_temperature = DINOLoss(0.1), teacher_temperature
+        self.loss = DINOLoss(0.1, gather_distributed=not local)  # local: the control
+        self.teacher_temperature = teacher_temperature
 
     def forward(self, s0, s1, s2, t0, t1, center, *, sizes=None):
         return self.loss([s0, s1, s2], [t0, t1], self.teacher_temperature, center, sizes=sizes)
@@ -328,3 +329,17 @@ def test_an_empty_queue_adds_no_negatives():
     empty = torch.empty(0, 8, dtype=torch.float64)
     assert MoCoLoss(0.2)(queries, keys, empty).item() == MoCoLoss(0.2)(queries, keys).item()
     assert MoCoLoss(0.2, batch_negatives=False)(queries, keys, empty).item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "make_loss, make_inputs",
+    [
+        (partial(NegativeCosineSimilarityLoss, gather_distributed=False), _pairs),
+        (partial(CropsDINOLoss, local=True), _dino_inputs),
+    ],
+    ids=["byol", "dino"],
+)
+def test_control_per_rank_means_are_not_exact_on_uneven_shares(make_loss, make_inputs):
+    """Without the global normalisation, each rank's mean: exact only for equal shares."""
+    with pytest.raises(AssertionError):
+        assert_loss_invariant(make_loss, make_inputs, world_sizes=(2,))
