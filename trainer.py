@@ -86,6 +86,9 @@ class TrainConfig:
         None, "smallest crop area fraction; none: 0.5 for the 8x8 digits, else 0.2",
         above=0.0, at_most=1.0,
     )  # fmt: skip
+    horizontal_flip: bool | None = option(
+        None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
+    )
     skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
     num_workers: int | None = option(
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
@@ -256,6 +259,7 @@ class TrainConfig:
             "image_size": 8 if digits else 32,
             "dropout": 0.1 if self.model in VIT_SIZES else 0.0,
             "crop_min_scale": 0.5 if digits else 0.2,
+            "horizontal_flip": not digits,
             "optimizer": "sgd",
             "temperature": 0.5,
             **LOSSES[self.loss].defaults,

@@ -192,6 +192,7 @@ def two_views_dataset(config, data: ImageData) -> TwoViews:
         config.augment,
         per_sample_seed=config.augmentation_seeding == "per-sample",
         crop_min_scale=config.crop_min_scale,
+        horizontal_flip=config.horizontal_flip,
     )
 
 
@@ -528,6 +529,7 @@ class DINOMethod:
             config.local_crop_size,
             per_sample_seed=config.augmentation_seeding == "per-sample",
             crop_min_scale=config.crop_min_scale,
+            horizontal_flip=config.horizontal_flip,
         )
         self.model = image_model(
             config, world_size, say, SIMCLR_HEAD, dino_out_dim=config.dino_out_dim

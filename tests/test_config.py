@@ -81,6 +81,8 @@ def test_derived_defaults_are_resolved_in_one_place():
     assert dino.local_crop_size == 4  # half of the digits' 8 px
     assert TrainConfig(method="dino", model="mlp").resolved().local_crops == 0
     assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
+    assert TrainConfig().resolved().horizontal_flip is False  # a mirrored digit is no digit
+    assert TrainConfig(dataset="cifar10").resolved().horizontal_flip is True
     assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
 
 

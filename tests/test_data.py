@@ -10,15 +10,18 @@ import pytest
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 
 from contrastive_accelerate.data import (
     DataError,
     GlobalBatchSampler,
+    MultiCrop,
     TwoViews,
     UnreadableImage,
     batches_per_epoch,
     load_image_dataset,
     read_image,
+    simclr_augmentation,
 )
 
 from launch import add_unusual_images, make_image_folder, small_labelled_dataset
@@ -85,6 +88,20 @@ def test_views_depend_only_on_seed_epoch_and_index(digits):
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0], first[1])  # two different views
     assert not torch.equal(views[(3, 7)][0], first[0])  # a new epoch, new crops
+
+
+def test_horizontal_flip_can_be_left_out(digits):
+    def flips(transform) -> bool:
+        return any(isinstance(step, v2.RandomHorizontalFlip) for step in transform.transforms)
+
+    assert flips(simclr_augmentation(8))
+    assert not flips(simclr_augmentation(8, horizontal_flip=False))
+    train, _, image_column, _ = digits
+    views = TwoViews(train, image_column, 8, seed=0, horizontal_flip=False)
+    assert not flips(views.augment)
+    crops = MultiCrop(train, image_column, 8, seed=0, global_crops=2, local_crops=1,
+                      local_crop_size=4, horizontal_flip=False)  # fmt: skip
+    assert not flips(crops.global_augment) and not flips(crops.local_augment)
 
 
 def test_views_independent_of_dataloader_workers(digits):

@@ -22,16 +22,20 @@ T = TypeVar("T")
 
 
 def simclr_augmentation(
-    image_size: int, crop_min_scale: float = 0.2, crop_max_scale: float = 1.0
+    image_size: int,
+    crop_min_scale: float = 0.2,
+    crop_max_scale: float = 1.0,
+    horizontal_flip: bool = True,
 ) -> v2.Transform:
     """SimCLR's augmentation (Chen et al., 2020, appendix A), sized for ``image_size``.
 
     Gaussian blur is used from 64 px up, with a kernel of about 10% of the image,
-    as in the paper; for CIFAR-sized images the paper leaves it out.
+    as in the paper; for CIFAR-sized images the paper leaves it out. Without
+    ``horizontal_flip`` for images whose mirror image is another class (digits).
     """
     transforms = [
         v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
-        v2.RandomHorizontalFlip(),
+        *([v2.RandomHorizontalFlip()] if horizontal_flip else []),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
     ]
@@ -75,11 +79,16 @@ class TwoViews(torch.utils.data.Dataset):
         augment: bool = True,
         per_sample_seed: bool = True,
         crop_min_scale: float = 0.2,
+        horizontal_flip: bool = True,
     ) -> None:
         self.dataset, self.image_column, self.image_size = dataset, image_column, image_size
         self.seed, self.per_sample_seed = seed, per_sample_seed
         self.resize = resize_to(image_size)
-        self.augment = simclr_augmentation(image_size, crop_min_scale) if augment else v2.Identity()
+        self.augment = (
+            simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
+            if augment
+            else v2.Identity()
+        )
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -157,15 +166,18 @@ class MultiCrop(torch.utils.data.Dataset):
         local_crop_size: int,
         per_sample_seed: bool = True,
         crop_min_scale: float = 0.4,
+        horizontal_flip: bool = True,
     ) -> None:
         self.dataset, self.image_column = dataset, image_column
         self.image_size, self.local_crop_size = image_size, local_crop_size
         self.seed, self.per_sample_seed = seed, per_sample_seed
         self.global_crops, self.local_crops = global_crops, local_crops
         self.resize = resize_to(image_size)
-        self.global_augment = simclr_augmentation(image_size, crop_min_scale)
+        self.global_augment = simclr_augmentation(
+            image_size, crop_min_scale, horizontal_flip=horizontal_flip
+        )
         self.local_augment = simclr_augmentation(
-            local_crop_size, LOCAL_CROP_MIN_SCALE, crop_min_scale
+            local_crop_size, LOCAL_CROP_MIN_SCALE, crop_min_scale, horizontal_flip
         )
 
     def __len__(self) -> int:
