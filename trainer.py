@@ -156,11 +156,11 @@ class TrainConfig:
     )  # fmt: skip
     sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
     # Optimisation
-    batch_size: int = option(128, "global batch size, split across processes", at_least=2)
+    batch_size: int = option(64, "global batch size, split across processes", at_least=2)
     accumulation_chunks: int = option(
         1, "gradient caching: embed each share in K chunks", resume="apply", at_least=1
     )
-    epochs: int = option(30, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
+    epochs: int = option(45, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
     drop_last: bool = option(False, "drop each epoch's short last batch")
     optimizer: str | None = option(
