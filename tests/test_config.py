@@ -124,9 +124,9 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
 
 def test_command_line_overrides_the_file_and_dashes_are_accepted(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("lr: 1e-3\nbatch-size: 64\naugment: false\nmax_steps: 7\n")
+    path.write_text("lr: 1e-3\nbatch-size: 32\naugment: false\nmax_steps: 7\n")
     config = parse_args(TrainConfig, ["--config", str(path), "--lr", "0.2", "--augment"])
-    assert (config.lr, config.batch_size, config.augment, config.max_steps) == (0.2, 64, True, 7)
+    assert (config.lr, config.batch_size, config.augment, config.max_steps) == (0.2, 32, True, 7)
     # An optional option set in the file can be set back to its automatic default.
     assert parse_args(TrainConfig, ["--config", str(path), "--max-steps", "none"]).max_steps is None
 
