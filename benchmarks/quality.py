@@ -7,7 +7,7 @@ encoder (and of the linear probe, when the run prints one) with its mean, minimu
 maximum, next to kNN on raw pixels and on the random-init encoder over the same
 held-out images. ``--quick``: 2 seeds, 1 kernel path, 40 steps (a smoke test).
 
-    python -m benchmarks.quality            # 5 seeds x 2 kernel paths, ~25 min on 2 cores
+    python -m benchmarks.quality            # 5 seeds x 2 kernel paths, ~40 min on 2 cores
 """
 
 from __future__ import annotations
