@@ -68,17 +68,21 @@ def free_port() -> int:
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Return ``[fn(rank, world_size, *args) for rank in ranks]`` computed in a gloo group
-    of fresh processes.
+    of worker processes.
 
     ``fn`` must be importable (module level) and return picklable values; tensors
     should be converted to numpy or lists. A failure on any rank raises here with
-    that rank's traceback; a hang raises after ``JOIN_TIMEOUT_S``.
+    that rank's traceback; a hang raises after ``JOIN_TIMEOUT_S``. The group is shared
+    by every call with this world size, so a call costs its computation rather than W
+    process starts; a group whose call failed or hung is replaced. ``fn`` therefore
+    finds the process as the previous call left it: seed whatever it draws.
     """
-    group = _Group(world_size, COLLECTIVE_TIMEOUT_S)
+    group = _shared_group(world_size, COLLECTIVE_TIMEOUT_S)
     try:
         return group.run(fn, args, JOIN_TIMEOUT_S)
-    finally:
-        group.close()
+    except BaseException:  # a rank raised or hung: the others may wait in a collective
+        _discard_group(world_size, COLLECTIVE_TIMEOUT_S)
+        raise
 
 
 _FAILURE_GRACE_S = 5.0
