@@ -54,7 +54,7 @@ from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
 from losses.dino import CENTER_FORMULAS
 from models import BACKBONES
-from models.simclr import VIT_SIZES
+from models.simclr import VIT_SIZES, vit_patch_size
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 
@@ -140,9 +140,12 @@ class TrainConfig:
     teacher_temperature_warmup_steps: int = option(
         0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
     )
+    freeze_last_layer: int = option(
+        1, "dino: epochs the head's last layer stays frozen (DINO's)", resume="apply", at_least=0
+    )
     global_crops: int = option(2, "dino: global crops per sample", at_least=1)
     local_crops: int | None = option(
-        None, "dino: local crops per sample; none: 6 for the resnets, else 0", at_least=0
+        None, "dino: local crops per sample; none: 6, or 0 for the mlp", at_least=0
     )
     local_crop_size: int | None = option(
         None, "dino: local crop size; none: half of --image-size", at_least=1
@@ -229,15 +232,21 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} does not apply to --method {self.method}")
         if self.queue_size and self.method == "simclr" and self.loss != "ntxent":
             raise ConfigError(f"--queue-size applies to --loss ntxent, not {self.loss}")
-        if self.local_crops and self.model in ("mlp", *VIT_SIZES):
-            raise ConfigError(
-                f"--local-crops: {self.model} takes one input size; local crops need a resnet"
-            )
+        if self.local_crops and self.model == "mlp":
+            raise ConfigError("--local-crops: mlp takes one input size; use a resnet or a vit")
         if self.local_crop_size and self.image_size and self.local_crop_size > self.image_size:
             raise ConfigError(
                 f"--local-crop-size {self.local_crop_size} is larger than the global crops "
                 f"(--image-size {self.image_size})"
             )
+        vit_crops = self.model in VIT_SIZES and self.local_crops != 0
+        if vit_crops and self.local_crop_size and self.image_size:
+            patch = vit_patch_size(self.image_size)
+            if self.local_crop_size % patch:
+                raise ConfigError(
+                    f"--local-crop-size {self.local_crop_size}: {self.model} at --image-size "
+                    f"{self.image_size} has patches of {patch} px, which must divide it"
+                )
         if self.drop_path and self.model not in VIT_SIZES:
             raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
@@ -269,7 +278,7 @@ class TrainConfig:
         config = dataclasses.replace(self, **values)
         if config.method == "dino":
             crops = {
-                "local_crops": 0 if config.model in ("mlp", *VIT_SIZES) else 6,
+                "local_crops": 0 if config.model == "mlp" else 6,
                 "local_crop_size": max(1, config.image_size // 2),
             }
             crops = {k: v for k, v in crops.items() if getattr(config, k) is None}
@@ -451,6 +460,7 @@ def _train(
                 lr = learning_rate(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
+                method.before_optimizer_step(epoch)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 method.after_step(step)

@@ -14,6 +14,8 @@ object with these members, and the loop calls nothing else of it:
   batch, from the embeddings of all of this rank's chunks; called once per step.
   ``sizes`` is every rank's number of samples when the loop knows it (the losses then
   exchange nothing: ``losses.inputs``), else None.
+- ``before_optimizer_step(epoch)``: called between the backward and the optimizer step
+  (DINO's last layer, frozen during the first epochs, loses its gradient there).
 - ``after_step(step)``: called after each optimizer step (an EMA teacher's update).
 - ``state_dict()`` / ``load_state_dict(state)``: tensors that persist across steps besides
   the model and the optimizer (a queue of past keys, a running center, a teacher's
@@ -337,6 +339,9 @@ class SimCLRMethod:
         labels = None if self.labels is None else self.labels[batch.indices].to(z0.device)
         return self.row.call(self.criterion, self.model, z0, z1, labels, sizes)
 
+    def before_optimizer_step(self, epoch: int) -> None:
+        """Nothing: every parameter takes its gradient."""
+
     def after_step(self, step: int) -> None:
         """This step's second views into the queue, if there is one; SimCLR has no teacher."""
         if self._new_keys is not None:
@@ -456,6 +461,9 @@ class MomentumMethod:
         )
         return 2 * self.temperature * loss
 
+    def before_optimizer_step(self, epoch: int) -> None:
+        """Nothing: every parameter takes its gradient."""
+
     def after_step(self, step: int) -> None:
         """The teacher's EMA update, and this step's keys into the queue."""
         self.teacher.update(
@@ -519,6 +527,7 @@ class DINOMethod:
         self.teacher_temperature = config.teacher_temperature
         self.warmup_steps = config.teacher_temperature_warmup_steps
         self.center_formula = config.dino_center
+        self.freeze_last_layer = config.freeze_last_layer
         self.dataset = MultiCrop(
             data.train,
             data.image_column,
@@ -575,6 +584,13 @@ class DINOMethod:
             return self.teacher_temperature
         start = DINO_WARMUP_TEACHER_TEMPERATURE
         return start + (self.teacher_temperature - start) * step / self.warmup_steps
+
+    def before_optimizer_step(self, epoch: int) -> None:
+        """DINO's ``cancel_gradients_last_layer``: during the first ``--freeze-last-layer``
+        epochs the head's last layer has no gradient, so the optimizer leaves it and its
+        momentum alone (a zero gradient would still apply weight decay and momentum)."""
+        if epoch < self.freeze_last_layer:
+            self.model.projection_head.last_layer.grad = None
 
     def after_step(self, step: int) -> None:
         """The teacher's EMA update, then the center's, from this step's teacher outputs."""
@@ -641,6 +657,7 @@ DINO_OPTIONS = (
     "local_crops",
     "local_crop_size",
     "dino_center",
+    "freeze_last_layer",
 )
 TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
 METHOD_OPTIONS = ("loss", *TEACHER_OPTIONS, "queue_size", "queue_keys", *DINO_OPTIONS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import torchvision
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
@@ -157,14 +158,19 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         return projections if self.predictor is None else self.predictor(projections)
 
 
+def vit_patch_size(image_size: int) -> int:
+    """The ViTs' patch size at ``image_size``: 16 pixels above 64 px, else ``image_size / 8``."""
+    return 16 if image_size > 64 else max(1, image_size // 8)
+
+
 def _vision_transformer(name: str, image_size: int, dropout: float, drop_path: float) -> nn.Module:
     layers, heads, width, mlp_width = VIT_SIZES[name]
-    patch_size = 16 if image_size > 64 else max(1, image_size // 8)
+    patch_size = vit_patch_size(image_size)
     if image_size % patch_size:
         raise ValueError(
             f"{name} at image size {image_size} needs it divisible by its patch size {patch_size}"
         )
-    vit = torchvision.models.VisionTransformer(
+    vit = MultiResolutionViT(
         image_size=image_size,
         patch_size=patch_size,
         num_layers=layers,
@@ -181,6 +187,41 @@ def _vision_transformer(name: str, image_size: int, dropout: float, drop_path: f
             rate = drop_path * index / max(len(blocks) - 1, 1)
             blocks._modules[name] = _StochasticDepthBlock(blocks._modules[name], rate)
     return vit
+
+
+class MultiResolutionViT(torchvision.models.VisionTransformer):
+    """torchvision's ``VisionTransformer`` for square inputs of any size that the patch
+    size divides, as DINO's ViT takes its local crops: at another size than
+    ``image_size`` the patch position embeddings are resized to the patch grid by
+    DINO's bicubic ``interpolate_pos_encoding`` (the class token's is kept). At
+    ``image_size`` it is torchvision's forward, with the same state names."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, height, width = x.shape
+        if height != width or height % self.patch_size:
+            raise ValueError(
+                f"the ViT takes square inputs divisible by {self.patch_size} px, got "
+                f"{height}x{width}"
+            )
+        patches = self.conv_proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(n, -1, -1), patches], dim=1)
+        x = x + self.position_embedding(height // self.patch_size)
+        encoder = self.encoder
+        return self.heads(encoder.ln(encoder.layers(encoder.dropout(x)))[:, 0])
+
+    def position_embedding(self, grid: int) -> torch.Tensor:
+        """``(1, 1 + grid**2, hidden)``: the class token's embedding, then the patches'
+        resized from the trained grid to ``grid x grid``. DINO adds 0.1 to the grid in
+        the scale factor so that flooring gives the intended size (dino #8)."""
+        embedding = self.encoder.pos_embedding
+        trained = self.image_size // self.patch_size
+        if grid == trained:
+            return embedding
+        patches = embedding[:, 1:].reshape(1, trained, trained, -1).permute(0, 3, 1, 2)
+        scale = (grid + 0.1) / trained
+        patches = F.interpolate(patches, scale_factor=(scale, scale), mode="bicubic")
+        patches = patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)
+        return torch.cat([embedding[:, :1], patches], dim=1)
 
 
 class _StochasticDepthBlock(nn.Module):

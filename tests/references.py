@@ -1,10 +1,13 @@
 """Every loss written as plainly as possible, from its paper: loops over anchors, float64.
 
 These are the references the distributed losses are compared with on the
-concatenated global batch; none of them is vectorised, gathered or tiled.
+concatenated global batch; none of them is vectorised, gathered or tiled. Last, DINO's
+position-embedding interpolation as its repository writes it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -128,3 +131,26 @@ def vicreg(z_a, z_b, lambda_param: float, mu_param: float, nu_param: float, eps:
                     cov = sum(centred[i, k] * centred[i, m] for i in range(count)) / (count - 1)
                     covariance = covariance + cov**2 / dim
     return lambda_param * invariance + mu_param * variance + nu_param * covariance
+
+
+def dino_interpolate_pos_encoding(pos_embed, width: int, height: int, patch_size: int):
+    """DINO's ``VisionTransformer.interpolate_pos_encoding`` (facebookresearch/dino,
+    ``vision_transformer.py``) for an input of ``width x height`` pixels."""
+    npatch = (width // patch_size) * (height // patch_size)
+    N = pos_embed.shape[1] - 1
+    if npatch == N and width == height:
+        return pos_embed
+    class_pos_embed = pos_embed[:, 0]
+    patch_pos_embed = pos_embed[:, 1:]
+    dim = pos_embed.shape[-1]
+    w0 = width // patch_size
+    h0 = height // patch_size
+    w0, h0 = w0 + 0.1, h0 + 0.1
+    patch_pos_embed = F.interpolate(
+        patch_pos_embed.reshape(1, int(math.sqrt(N)), int(math.sqrt(N)), dim).permute(0, 3, 1, 2),
+        scale_factor=(w0 / math.sqrt(N), h0 / math.sqrt(N)),
+        mode="bicubic",
+    )
+    assert int(w0) == patch_pos_embed.shape[-2] and int(h0) == patch_pos_embed.shape[-1]
+    patch_pos_embed = patch_pos_embed.permute(0, 2, 3, 1).view(1, -1, dim)
+    return torch.cat((class_pos_embed.unsqueeze(0), patch_pos_embed), dim=1)

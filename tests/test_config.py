@@ -80,6 +80,7 @@ def test_derived_defaults_are_resolved_in_one_place():
     assert (dino.temperature, dino.teacher_momentum, dino.local_crops) == (0.1, 0.996, 6)
     assert dino.local_crop_size == 4  # half of the digits' 8 px
     assert TrainConfig(method="dino", model="mlp").resolved().local_crops == 0
+    assert TrainConfig(method="dino", model="vit_tiny").resolved().local_crops == 6
     assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
     assert TrainConfig().resolved().horizontal_flip is False  # a mirrored digit is no digit
     assert TrainConfig(dataset="cifar10").resolved().horizontal_flip is True
@@ -97,7 +98,7 @@ def test_every_field_is_settable_from_the_command_line(field):
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
 def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
-    # its own options (DINO's local crops a resnet): every field is in one of three files.
+    # its own options (DINO's local crops a resnet or a vit): every field is in one of three files.
     shared = {n: v for n, v in VALUES.items() if n not in ("method", "drop_path", *METHOD_OPTIONS)}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
@@ -203,7 +204,11 @@ def test_usage_errors_are_one_line(capfd):
         ({"method": "dino", "loss": "dcl"}, "--loss does not apply to --method dino"),
         ({"drop_path": 0.1}, "--drop-path applies to the vit encoders, not resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
-        ({"method": "dino", "model": "mlp", "local_crops": 2}, "local crops need a resnet"),
+        ({"method": "dino", "model": "mlp", "local_crops": 2}, "use a resnet or a vit"),
+        (
+            {"method": "dino", "model": "vit_tiny", "image_size": 16, "local_crop_size": 5},
+            "--local-crop-size 5: vit_tiny at --image-size 16 has patches of 2 px",
+        ),
         (
             {"method": "dino", "image_size": 16, "local_crop_size": 24},
             "--local-crop-size 24 is larger than the global crops",

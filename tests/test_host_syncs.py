@@ -73,6 +73,7 @@ def step_syncs_worker(rank: int, world_size: int, cases: list, control: bool) ->
                     forward=partial(method.embed, model, step=step),
                 )
                 checks.record(step, value)
+                method.before_optimizer_step(0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 method.after_step(step)

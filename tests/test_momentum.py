@@ -8,17 +8,23 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from lightly.loss import DINOLoss as DINOLossLightly
 from lightly.loss import NegativeCosineSimilarity, NTXentLoss
 from lightly.models.utils import update_momentum
 from torch import nn
 
-from contrastive_accelerate.data import MultiCrop
+from contrastive_accelerate.data import MultiCrop, load_image_dataset
+from contrastive_accelerate.methods import METHODS
+from contrastive_accelerate.optim import make_optimizer
 from contrastive_accelerate.testing import assert_loss_invariant, run_on_ranks
 from losses import DINOLoss, MoCoLoss, NegativeCosineSimilarityLoss
 from losses.dino import CENTER_FORMULAS, batch_center
 from models import SimCLR
 from models.momentum import EMATeacher, KeyQueue, cosine_momentum
+from trainer import TrainConfig
+
+import references
 
 
 def test_cosine_momentum_runs_from_the_base_to_one():
@@ -343,3 +349,52 @@ def test_control_per_rank_means_are_not_exact_on_uneven_shares(make_loss, make_i
     """Without the global normalisation, each rank's mean: exact only for equal shares."""
     with pytest.raises(AssertionError):
         assert_loss_invariant(make_loss, make_inputs, world_sizes=(2,))
+
+
+@pytest.mark.parametrize("frozen_epochs", [1, 0], ids=["frozen", "control-not-frozen"])
+def test_dinos_last_layer_is_left_alone_during_the_frozen_epochs(frozen_epochs):
+    """DINO's ``cancel_gradients_last_layer``: no gradient, so SGD with weight decay and
+    momentum leaves the last layer exactly as it was; the rest of the model moves. The
+    control (no frozen epoch) moves it too."""
+    config = TrainConfig(
+        method="dino", model="mlp", dino_out_dim=16, freeze_last_layer=frozen_epochs
+    ).resolved()
+    method = METHODS["dino"].build(config, load_image_dataset(), 1, print, total_steps=4)
+    optimizer = make_optimizer("sgd", method.model.parameters(), lr=0.1, momentum=0.9,
+                               weight_decay=5e-4)  # fmt: skip
+    batch = method.dataset.collate([method.dataset[(0, index)] for index in range(8)])
+    head = method.model.projection_head
+    for epoch in (0, 1):
+        last_layer = head.last_layer.detach().clone()
+        first_layer = head.mlp[0].weight.detach().clone()
+        method.loss([method.embed(method.model, batch, epoch)], batch, None, epoch).backward()
+        method.before_optimizer_step(epoch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        method.after_step(epoch)
+        assert not torch.equal(head.mlp[0].weight, first_layer)
+        assert torch.equal(head.last_layer, last_layer) == (epoch < frozen_epochs)
+
+
+def test_the_vit_takes_local_crops_with_dinos_interpolated_position_embeddings():
+    """At its own size the ViT is torchvision's; at a local crop's size its position
+    embeddings are DINO's ``interpolate_pos_encoding`` bit for bit, where torchvision's
+    own forward (the control) refuses the local crop."""
+    torch.manual_seed(0)
+    vit = SimCLR("vit_tiny", image_size=16).double().encoder  # patches of 2 px: an 8x8 grid
+    images = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    assert torch.equal(vit(images), torchvision.models.VisionTransformer.forward(vit, images))
+    embedding = vit.encoder.pos_embedding
+    for grid in (4, 6):
+        expected = references.dino_interpolate_pos_encoding(embedding, 2 * grid, 2 * grid, 2)
+        assert torch.equal(vit.position_embedding(grid), expected)
+    local_crops = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    with pytest.raises(AssertionError, match="Wrong image height"):
+        torchvision.models.VisionTransformer.forward(vit, local_crops)
+    local = vit(local_crops)
+    local.sum().backward()  # the trained embeddings learn from the local crops too
+    assert local.shape == (3, 192) and embedding.grad[:, 1:].abs().sum() > 0
+    with pytest.raises(ValueError, match="square inputs divisible by 2 px"):
+        vit(torch.randn(1, 3, 7, 7, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(vit.float()(torch.randn(2, 3, 8, 8))).all()
