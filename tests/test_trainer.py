@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -238,12 +239,19 @@ def _checkpointing_run(max_steps: int, save_every: int) -> list[str]:
     ).split()
 
 
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory) -> Path:
+    """A 2-step run with a checkpoint at step 2, shared by the damaged-checkpoint cases."""
+    output = tmp_path_factory.mktemp("checkpointed")
+    launch(1, *_checkpointing_run(max_steps=2, save_every=2), "--output-dir", str(output))
+    return output
+
+
 @pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file"])
-def test_bad_input_damaged_checkpoint(tmp_path, damage):
+def test_bad_input_damaged_checkpoint(tmp_path, checkpointed_run, damage):
     args = _checkpointing_run(max_steps=2, save_every=2)
-    launch(1, *args, "--output-dir", str(tmp_path / "run"))
     checkpoint = tmp_path / "damaged"
-    shutil.copytree(tmp_path / "run" / "checkpoint-2", checkpoint)
+    shutil.copytree(checkpointed_run / "checkpoint-2", checkpoint)
     if damage == "truncated_weights":
         weights = checkpoint / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
