@@ -35,6 +35,8 @@ from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
+#: An epoch past any frozen ones (DINO's last layer): the steps timed are the steady state's.
+STEADY_EPOCH = 10**9
 
 
 def _built(name: str, batch_size: int, data):
@@ -53,6 +55,7 @@ def _step(method, optimizer, batch, step: int) -> None:
         partial(method.loss, batch=batch, sizes=None, step=step),
         forward=partial(method.embed, method.model, step=step),
     )
+    method.before_optimizer_step(STEADY_EPOCH)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     method.after_step(step)
