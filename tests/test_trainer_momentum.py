@@ -77,14 +77,14 @@ def differences(a: Path, b: Path) -> tuple[float, float]:
     "flags, processes",
     [
         (MOCO, 2),
-        (MOCO, 3),
+        (["--method", "moco", "--queue-size", "10", *RESNET], 3),
         (["--method", "byol", *RESNET], 3),
         (DINO_MULTI_CROP, 3),
         (DINO_VIT_MULTI_CROP, 3),
     ],
     ids=[
         "moco+queue-2",
-        "moco+queue-3",
+        "moco+queue-resnet18-syncbn-3",
         "byol-resnet18-syncbn-3",
         "dino-resnet18-syncbn-multi-crop-3",
         "dino-vit-multi-crop-drop-path-3",
