@@ -33,6 +33,8 @@ MLP = ["--model", "mlp", "--image-size", "8", "--dropout", "0.1"]
 SHORT = ["--max-steps", "5", "--save-every", "0"]
 RESNET = ["--model", "resnet18", "--image-size", "16", *SHORT]
 MOCO = ["--method", "moco", "--queue-size", "10", *MLP]
+MOCO_RESNET = ["--method", "moco", "--queue-size", "10", *RESNET]
+BYOL_RESNET = ["--method", "byol", *RESNET]
 DINO = ["--method", "dino", "--dino-out-dim", "64", "--teacher-temperature", "0.07",
         "--teacher-temperature-warmup-steps", "4"]  # fmt: skip
 # Two local crops of 8 px beside the 16 px global crops: one forward per resolution.
@@ -77,15 +79,21 @@ def differences(a: Path, b: Path) -> tuple[float, float]:
     "flags, processes",
     [
         (MOCO, 2),
-        (["--method", "moco", "--queue-size", "10", *RESNET], 3),
-        (["--method", "byol", *RESNET], 3),
+        (MOCO_RESNET, 2),
+        (MOCO_RESNET, 3),
+        (BYOL_RESNET, 2),
+        (BYOL_RESNET, 3),
+        (DINO_MULTI_CROP, 2),
         (DINO_MULTI_CROP, 3),
         (DINO_VIT_MULTI_CROP, 3),
     ],
     ids=[
         "moco+queue-2",
+        "moco+queue-resnet18-syncbn-2",
         "moco+queue-resnet18-syncbn-3",
+        "byol-resnet18-syncbn-2",
         "byol-resnet18-syncbn-3",
+        "dino-resnet18-syncbn-multi-crop-2",
         "dino-resnet18-syncbn-multi-crop-3",
         "dino-vit-multi-crop-drop-path-3",
     ],  # fmt: skip
