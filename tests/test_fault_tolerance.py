@@ -100,6 +100,33 @@ def test_resume_never_unpickles(tmp_path, base_run):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file"])
+def test_a_damaged_checkpoint_is_one_line_on_every_rank(tmp_path, base_run, damage):
+    checkpoint = _copy_checkpoint(base_run, tmp_path / "damaged")
+    if damage == "truncated_weights":
+        weights = checkpoint / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        expected = "corrupt checkpoint"
+    else:
+        (checkpoint / "trainer_state.json").unlink()
+        expected = "incomplete checkpoint"
+    result = launch(
+        2,
+        *MLP,
+        "--max-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--resume-from",
+        str(checkpoint),
+        "--output-dir",
+        str(tmp_path / "again"),
+        check=False,
+    )
+    one_line_errors(result, expected, 2)
+    assert not (tmp_path / "again" / "final").exists()
+
+
 # Preemption: SIGTERM to the whole job, as a scheduler sends it.
 
 PREEMPTIBLE = [*MLP, "--dtype", "float64", "--batch-size", "16", "--max-steps", "60"]
@@ -318,8 +345,8 @@ def test_resume_applies_or_refuses_each_changed_option(tmp_path, base_run):
 
 
 def test_bad_values_give_one_line_on_every_rank(tmp_path, base_run):
-    # An option's bad value (checked before any collective, as every option's bound is in
-    # test_config) is launched in test_trainer_momentum; these two fail later, in the run.
+    # An option refused before any collective (every bound is checked in test_config) is
+    # launched on 2 ranks in test_trainer_momentum; these two fail later, in the run.
     results = {
         "is a file, not a directory": launch(
             2, *MLP, "--output-dir", str(base_run / "metrics.jsonl"), check=False

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 
@@ -237,39 +235,6 @@ def _checkpointing_run(max_steps: int, save_every: int) -> list[str]:
     return (
         f"--model mlp --batch-size 8 --max-steps {max_steps} --save-every {save_every} --knn-k 0"
     ).split()
-
-
-@pytest.fixture(scope="module")
-def checkpointed_run(tmp_path_factory) -> Path:
-    """A 2-step run with a checkpoint at step 2, shared by the damaged-checkpoint cases."""
-    output = tmp_path_factory.mktemp("checkpointed")
-    launch(1, *_checkpointing_run(max_steps=2, save_every=2), "--output-dir", str(output))
-    return output
-
-
-@pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file"])
-def test_bad_input_damaged_checkpoint(tmp_path, checkpointed_run, damage):
-    args = _checkpointing_run(max_steps=2, save_every=2)
-    checkpoint = tmp_path / "damaged"
-    shutil.copytree(checkpointed_run / "checkpoint-2", checkpoint)
-    if damage == "truncated_weights":
-        weights = checkpoint / "model.safetensors"
-        weights.write_bytes(weights.read_bytes()[:100])
-        expected = "corrupt checkpoint"
-    else:
-        (checkpoint / "trainer_state.json").unlink()
-        expected = "incomplete checkpoint"
-    result = launch(
-        2,
-        *args,
-        "--resume-from",
-        str(checkpoint),
-        "--output-dir",
-        str(tmp_path / "again"),
-        check=False,
-    )
-    one_line_errors(result, expected, 2)
-    assert not (tmp_path / "again" / "final").exists()
 
 
 def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypatch):
