@@ -33,12 +33,7 @@ from contrastive_accelerate.config import (
     resume_rules,
     validate,
 )
-from contrastive_accelerate.data import (
-    batches_per_epoch,
-    load_image_dataset,
-    train_loader,
-    workers_stopped_on_exit,
-)
+from contrastive_accelerate.data import batches_per_epoch, train_loader, workers_stopped_on_exit
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.knn import KnnData, RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import (
@@ -48,13 +43,14 @@ from contrastive_accelerate.launch import (
     one_line_errors,
 )
 from contrastive_accelerate.linear_probe import linear_probe_top1
-from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS
+from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS, PAIR_LOSSES
 from contrastive_accelerate.optim import OPTIMIZERS, make_optimizer, warmup_cosine
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
 from losses.dino import CENTER_FORMULAS
 from models import BACKBONES
 from models.simclr import VIT_SIZES, vit_patch_size
+from models.text import POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 
@@ -94,10 +90,16 @@ class TrainConfig:
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
     )
     # Method, model and loss
-    method: str = option("simclr", "simclr (--loss), moco (v3), byol or dino", choices=METHODS)
+    method: str | None = option(
+        None, "simclr (--loss), moco (v3), byol, dino, pairs; none: simclr, pairs if --columns",
+        choices=METHODS,
+    )  # fmt: skip
     model: str = option("resnet18", "encoder", choices=BACKBONES)
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
-    loss: str = option("ntxent", "objective, exact on any number of processes", choices=LOSSES)
+    loss: str | None = option(
+        None, "objective, exact on any number of processes; none: ntxent, mnrl for pairs",
+        choices=(*LOSSES, *PAIR_LOSSES),
+    )  # fmt: skip
     temperature: float | None = option(
         None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",
         resume="apply", above=0.0,
@@ -158,6 +160,21 @@ class TrainConfig:
         at_least=0.0, below=1.0,
     )  # fmt: skip
     sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
+    # Text pairs (--method pairs)
+    columns: str | None = option(
+        None, "pairs: columns anchor,positive[,negative...] (sentence-transformers' order)"
+    )
+    text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
+    text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
+    max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
+    two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
+    projection_dim: int = option(0, "pairs: a linear projection's width; 0: none", at_least=0)
+    mnrl_scale: float = option(
+        20.0, "mnrl: similarity scale (1 / temperature)", resume="apply", above=0.0
+    )
+    mnrl_symmetric: bool = option(
+        False, "mnrl: also each positive against every anchor", resume="apply"
+    )
     # Optimisation
     batch_size: int = option(64, "global batch size, split across processes", at_least=2)
     accumulation_chunks: int = option(
@@ -221,16 +238,22 @@ class TrainConfig:
     dino_center: str = option(
         "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
     )
+    attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
 
     def __post_init__(self) -> None:
         validate(self)
         if self.overwrite_output_dir and self.resume_from:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
+        method = self.method or ("pairs" if self.columns else "simclr")
         for name in METHOD_OPTIONS:
             default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-            if getattr(self, name) != default and name not in METHODS[self.method].options:
-                raise ConfigError(f"{flag(name)} does not apply to --method {self.method}")
-        if self.queue_size and self.method == "simclr" and self.loss != "ntxent":
+            if getattr(self, name) != default and name not in METHODS[method].options:
+                raise ConfigError(f"{flag(name)} does not apply to --method {method}")
+        if method == "pairs" and not self.columns:
+            raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
+        if self.loss is not None and (self.loss in PAIR_LOSSES) != (method == "pairs"):
+            raise ConfigError(f"--loss {self.loss} does not apply to --method {method}")
+        if self.queue_size and method == "simclr" and self.loss not in (None, "ntxent"):
             raise ConfigError(f"--queue-size applies to --loss ntxent, not {self.loss}")
         if self.local_crops and self.model == "mlp":
             raise ConfigError("--local-crops: mlp takes one input size; use a resnet or a vit")
@@ -264,15 +287,19 @@ class TrainConfig:
         """Every option left at None given its derived default: from the dataset (the
         digits are 8x8), the model, and the rows of ``LOSSES`` and ``METHODS``."""
         digits = self.dataset is None
+        method = self.method or ("pairs" if self.columns else "simclr")
+        loss = self.loss or {"simclr": "ntxent", "pairs": "mnrl"}.get(method)
         derived = {
+            "method": method,
+            "loss": loss,
             "image_size": 8 if digits else 32,
             "dropout": 0.1 if self.model in VIT_SIZES else 0.0,
             "crop_min_scale": 0.5 if digits else 0.2,
             "horizontal_flip": not digits,
             "optimizer": "sgd",
             "temperature": 0.5,
-            **LOSSES[self.loss].defaults,
-            **METHODS[self.method].defaults,
+            **(LOSSES[loss].defaults if loss in LOSSES else {}),
+            **METHODS[method].defaults,
         }
         values = {k: v for k, v in derived.items() if getattr(self, k) is None}
         config = dataclasses.replace(self, **values)
@@ -347,16 +374,7 @@ def _train(
 ) -> TrainResult:
     """The run itself, top to bottom: data, method, optimizer, resume, loop, save."""
     # Data: the global batch and each sample's randomness depend on (seed, epoch, index).
-    data = load_image_dataset(
-        config.dataset,
-        config_name=config.dataset_config,
-        split=config.split,
-        image_column=config.image_column,
-        label_column=config.label_column,
-        eval_split=config.eval_split,
-        eval_holdout=config.eval_holdout,
-        evaluate=config.knn_k > 0,
-    )
+    data = METHODS[config.method].load(config)
     accelerator.print(data.evaluation_source)
     steps_per_epoch = batches_per_epoch(len(data.train), config.batch_size, config.drop_last)
     if steps_per_epoch == 0:

@@ -1,4 +1,4 @@
-"""Training methods: what the loop needs to know of one, the SimCLR family, MoCo and BYOL.
+"""Training methods: what the loop needs to know of one; SimCLR, MoCo, BYOL, DINO, text pairs.
 
 The loop (``trainer.py``) knows nothing of towers, views or losses. A method is an
 object with these members, and the loop calls nothing else of it:
@@ -25,16 +25,10 @@ object with these members, and the loop calls nothing else of it:
 ``METHODS`` has one row per ``--method``: how it is built, its own defaults, and the
 options only some methods read (set for another method, they are refused).
 
-How the next methods plug in, without a change to the loop:
-
-- Image-text or text-text pairs: a dataset whose items are a row's columns (an image
-  and a tokenized caption, or an anchor, a positive and hard negatives), an ``embed``
-  that runs each column through its own tower, and a two-tower loss (InfoNCE, SigLIP,
-  multiple-negatives ranking) whose positives sit at their global index.
-- DINO: ``MomentumMethod``'s teacher and schedule, a center in ``state_dict`` that is
-  the mean over the global batch (sums and counts all-reduced), and a dataset that
-  returns several crops per sample, batched per resolution, with an ``embed`` that
-  gives the teacher the global crops only.
+How the next methods plug in, without a change to the loop: image-text pairs, as
+``TextPairsMethod`` does text-text pairs: a dataset whose items are a row's columns (an
+image and a tokenized caption), an ``embed`` that runs each column through its own
+tower, and a two-tower loss (InfoNCE, SigLIP) whose positives sit at their global index.
 
 The SimCLR family is one method: two augmented views of each image through one
 encoder, scored by one of ``LOSSES``. Adding a loss to it is one row of that table,
@@ -54,7 +48,14 @@ from torch import nn
 from contrastive_accelerate import collectives
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import MultiCrop, MultiCropBatch, TwoViewBatch, TwoViews, label_ids
-from contrastive_accelerate.data.sources import ImageData
+from contrastive_accelerate.data.pairs import (
+    PairBatch,
+    PairData,
+    TextColumns,
+    count_truncated,
+    load_pair_dataset,
+)
+from contrastive_accelerate.data.sources import ImageData, load_image_dataset
 from contrastive_accelerate.grad_cache import has_batch_statistics
 from contrastive_accelerate.launch import TrainerError
 from losses import (
@@ -64,6 +65,7 @@ from losses import (
     DINOLoss,
     InfoNCELoss,
     MoCoLoss,
+    MultipleNegativesRankingLoss,
     NegativeCosineSimilarityLoss,
     NTXentLoss,
     SigLIPLoss,
@@ -636,11 +638,156 @@ def embed_crops(
         return model(images)
 
 
+class TextPairsMethod:
+    """Text-text pairs, sentence-transformers' convention (``--columns anchor,positive[,
+    negative...]``): each column through a ``transformers`` tower (one shared, or with
+    ``--two-towers`` one for the anchors and one for the rest), scored by
+    ``MultipleNegativesRankingLoss`` over the global batch, every hard negative of
+    every rank a candidate.
+
+    Tokenization happens in the loader's workers; each rank pads to its own longest
+    text, and the attention masks keep that out of the result. Dropout inside the towers
+    is keyed by (seed, step, row index, column); dropout that a kernel draws (attention
+    dropout under SDPA) cannot be, and is switched off with a notice
+    (``models.text.switch_off_kernel_dropout``).
+    """
+
+    def __init__(
+        self,
+        config,
+        data: PairData,
+        world_size: int,
+        say: Callable[[str], Any],
+        *,
+        total_steps: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        from models.text import TextPairModel, TextTower, load_text_encoder
+
+        if config.text_model is None:
+            raise TrainerError(
+                "--columns needs --text-model: a transformers model directory or hub name"
+            )
+        self.seed = config.seed
+        dtype = DTYPES[config.dtype]
+        towers, tokenizers = [], []
+        for _ in range(2 if config.two_towers else 1):
+            encoder, tokenizer = load_text_encoder(config.text_model, dtype)
+            tower = TextTower(
+                encoder,
+                config.text_pooling,
+                config.projection_dim or None,
+                use_attention_mask=config.attention_mask,
+            ).to(dtype)
+            towers.append(text_dropout(tower, tokenizer, config, world_size, say))
+            tokenizers.append(tokenizer)
+        self.model = TextPairModel(towers, tokenizers, max_length=config.max_length)
+        truncated = count_truncated(
+            [text for column in data.columns for text in data.train[column]],
+            tokenizers[0],
+            config.max_length,
+        )
+        if truncated:
+            say(
+                f"notice: {truncated} of {len(data.train) * len(data.columns)} texts are longer "
+                f"than --max-length {config.max_length} tokens and are truncated"
+            )
+        self.dataset = TextColumns(data.train, data.columns, tokenizers[0], config.max_length)
+        self.criterion = PAIR_LOSSES[config.loss](config)
+
+    def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
+        """Every column of one chunk, column after column; column c's dropout keyed by
+        (seed, step, row index, c)."""
+        device = next(model.parameters()).device
+        columns = [
+            (ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+            for ids, mask in chunk.columns
+        ]
+        keys = [
+            sample_keys(self.seed, step, chunk.indices, column).to(device, non_blocking=True)
+            for column in range(len(columns))
+        ]
+        return model(columns, keys)
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: PairBatch,
+        sizes: list[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        count = len(batch.columns)
+        per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
+        columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
+        return self.criterion(*columns, sizes=sizes)
+
+    def before_optimizer_step(self, epoch: int) -> None:
+        """Nothing: every parameter takes its gradient."""
+
+    def after_step(self, step: int) -> None:
+        """Nothing: no teacher, no queue."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_queue(None, state)
+
+
+#: The ``--loss`` of ``--method pairs``: each row makes the criterion from the options.
+PAIR_LOSSES: dict[str, Callable[[Any], nn.Module]] = {
+    "mnrl": lambda c: MultipleNegativesRankingLoss(
+        c.mnrl_scale, symmetric=c.mnrl_symmetric, **_tiles(c)
+    ),
+}
+
+
+def text_dropout(tower: nn.Module, tokenizer, config, world_size: int, say) -> nn.Module:
+    """The tower's own dropout keyed by sample (``--dropout-masks per-sample``), and the
+    dropout no key reaches switched off; or, the control, torch's per-process masks."""
+    from models.text import switch_off_kernel_dropout
+
+    if config.dropout_masks == "per-sample":
+        tower = convert_sample_dropout(tower)
+        probe = tokenizer(["probe"], return_tensors="pt")
+        switch_off_kernel_dropout(tower, (probe["input_ids"], probe["attention_mask"]), say)
+    elif world_size > 1 or config.accumulation_chunks > 1:
+        say(
+            "warning: --dropout-masks per-process draws the text tower's dropout masks from "
+            "each process's RNG: training is not world-size invariant"
+        )
+    return tower
+
+
+def image_data(config) -> ImageData:
+    """The images of ``--dataset`` (``load_image_dataset``), with the evaluation split."""
+    return load_image_dataset(
+        config.dataset,
+        config_name=config.dataset_config,
+        split=config.split,
+        image_column=config.image_column,
+        label_column=config.label_column,
+        eval_split=config.eval_split,
+        eval_holdout=config.eval_holdout,
+        evaluate=config.knn_k > 0,
+    )
+
+
+def pair_data(config) -> PairData:
+    """The text columns of ``--dataset`` named by ``--columns``."""
+    columns = tuple(column.strip() for column in config.columns.split(","))
+    return load_pair_dataset(
+        config.dataset, columns, config_name=config.dataset_config, split=config.split
+    )
+
+
 @dataclass(frozen=True)
 class MethodRow:
     """One ``--method``."""
 
     build: Callable[..., Any]
+    #: Its data, from the options: ``ImageData`` or ``PairData``.
+    load: Callable[[Any], Any] = image_data
     #: Its own defaults for options left at None.
     defaults: dict[str, Any] = field(default_factory=dict)
     #: Which of ``METHOD_OPTIONS`` it reads.
@@ -660,7 +807,25 @@ DINO_OPTIONS = (
     "freeze_last_layer",
 )
 TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
-METHOD_OPTIONS = ("loss", *TEACHER_OPTIONS, "queue_size", "queue_keys", *DINO_OPTIONS)
+TEXT_OPTIONS = (
+    "columns",
+    "text_model",
+    "text_pooling",
+    "max_length",
+    "two_towers",
+    "projection_dim",
+    "mnrl_scale",
+    "mnrl_symmetric",
+    "attention_mask",
+)
+METHOD_OPTIONS = (
+    "loss",
+    *TEACHER_OPTIONS,
+    "queue_size",
+    "queue_keys",
+    *DINO_OPTIONS,
+    *TEXT_OPTIONS,
+)
 
 METHODS: dict[str, MethodRow] = {
     "simclr": MethodRow(SimCLRMethod, options=("loss", "queue_size", "queue_keys")),
@@ -679,4 +844,5 @@ METHODS: dict[str, MethodRow] = {
         defaults={"temperature": 0.1, "teacher_momentum": 0.996},  # DINO's
         options=(*TEACHER_OPTIONS, *DINO_OPTIONS),
     ),
+    "pairs": MethodRow(TextPairsMethod, load=pair_data, options=("loss", *TEXT_OPTIONS)),
 }

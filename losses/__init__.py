@@ -17,6 +17,7 @@ from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
+from losses.ranking import MultipleNegativesRankingLoss
 from losses.redundancy import BarlowTwinsLoss, VICRegLoss
 from losses.supcon import SupConLoss
 
@@ -27,6 +28,7 @@ __all__ = [
     "DINOLoss",
     "InfoNCELoss",
     "MoCoLoss",
+    "MultipleNegativesRankingLoss",
     "NegativeCosineSimilarityLoss",
     "NTXentLoss",
     "SigLIPLoss",

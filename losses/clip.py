@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from contrastive_accelerate import collectives
 from losses.inputs import check_batch, require_global_batch
-from losses.logsumexp import DENSE_MAX_BYTES, auto_tile_rows, tiled_logsumexp
+from losses.logsumexp import DENSE_MAX_BYTES, auto_tile_rows, softplus, tiled_logsumexp
 from losses.precision import autocast_off, compute_dtype, matmul
 
 
@@ -87,7 +87,7 @@ class InfoNCELoss(nn.Module):
             negatives0 = tiled_logsumexp(scale * f0, keys1, own, tile_rows)
             negatives1 = tiled_logsumexp(scale * f1, keys0, own, tile_rows)
             positive = scale * (f0 * f1).sum(dim=1)
-            terms = F.softplus(negatives0 - positive) + F.softplus(negatives1 - positive)
+            terms = softplus(negatives0 - positive) + softplus(negatives1 - positive)
             return terms.sum() * (world_size / (2 * sum(sizes)))
 
 

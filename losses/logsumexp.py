@@ -38,6 +38,12 @@ def tiled_logsumexp(
         return _TiledLogSumExp.apply(queries, keys, excluded_columns, tile_rows)
 
 
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))`` to the last bit: ``F.softplus`` returns ``x`` itself above 20,
+    off by up to ``exp(-20)`` (2e-9), which float64 comparisons with a peer would see."""
+    return torch.logaddexp(x, torch.zeros_like(x))
+
+
 def auto_tile_rows(rows: int, columns: int, like: torch.Tensor, dense_max_bytes: int) -> int:
     columns = max(columns, 1)
     if rows * columns * like.element_size() <= dense_max_bytes:

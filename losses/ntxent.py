@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from losses.logsumexp import DENSE_MAX_BYTES
+from losses.logsumexp import DENSE_MAX_BYTES, softplus
 from losses.precision import autocast_off
 from losses.views import TwoViewLoss
 
@@ -63,5 +62,5 @@ class NTXentLoss(TwoViewLoss):
             positive_column = own.roll(len(views.z0), dims=0)  # row i + n, and back
             negatives = self._log_denominator(views, torch.cat([own, positive_column], 1))
             positive = (views.z0 * views.z1).sum(dim=1) / self.temperature
-            terms = F.softplus(negatives - torch.cat([positive, positive]))
+            terms = softplus(negatives - torch.cat([positive, positive]))
             return self._global_mean(terms.sum(), views)

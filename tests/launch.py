@@ -146,6 +146,68 @@ def small_labelled_dataset(count: int = 12, size: int = 12):
     )
 
 
+#: Words of the generated sentence pairs: the tokenizer is trained on them.
+WORDS = ("red green blue small large quick slow cat dog bird fish tree river stone cloud "
+         "runs jumps sleeps sings swims over under near the a").split()  # fmt: skip
+
+
+def make_sentence_pairs(path: Path, count: int, negatives: int = 1, seed: int = 0) -> Path:
+    """A JSON-lines file of ``count`` rows: an anchor, a paraphrase as its positive (the
+    same words shuffled) and ``negatives`` unrelated sentences, of varied lengths, so
+    that every rank pads to a different longest text."""
+    import json
+
+    generator = np.random.default_rng(seed)
+
+    def sentence() -> list[str]:
+        return list(generator.choice(WORDS, size=int(generator.integers(2, 9))))
+
+    with open(path, "w") as file:
+        for _ in range(count):
+            anchor = sentence()
+            row = {"anchor": " ".join(anchor), "positive": " ".join(generator.permutation(anchor))}
+            for k in range(negatives):
+                row[f"negative_{k + 1}"] = " ".join(sentence())
+            file.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_text_model(root: Path, *, dropout: float = 0.1, pad_token: bool = True) -> Path:
+    """A tiny BERT from a ``BertConfig`` (random weights) and a WordPiece tokenizer that
+    ``tokenizers`` trains on ``WORDS``, saved together with ``save_pretrained``: what
+    ``--text-model`` loads, with nothing downloaded."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(
+        [" ".join(WORDS)] * 4, trainers.WordPieceTrainer(vocab_size=200, special_tokens=specials)
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]")),
+                        ("[SEP]", tokenizer.token_to_id("[SEP]"))],
+    )  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", **({"pad_token": "[PAD]"} if pad_token else {}),
+    )  # fmt: skip
+    config = BertConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    BertModel(config, add_pooling_layer=False).save_pretrained(root)
+    fast.save_pretrained(root)
+    return root
+
+
 def start(
     num_processes: int, *trainer_args: str, launcher_flags: list[str] | None = None
 ) -> subprocess.Popen:

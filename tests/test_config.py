@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
-from contrastive_accelerate.methods import DINO_OPTIONS, METHOD_OPTIONS
+from contrastive_accelerate.methods import DINO_OPTIONS, METHOD_OPTIONS, TEXT_OPTIONS
 from trainer import TrainConfig
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -43,6 +43,7 @@ COMPANIONS = {
     "queue_keys": ["--method", "moco"],
     "eval_teacher": ["--method", "moco"],
     **{name: ["--method", "dino"] for name in DINO_OPTIONS},
+    **{name: ["--columns", "anchor,positive"] for name in TEXT_OPTIONS if name != "columns"},
 }
 
 
@@ -66,7 +67,7 @@ def test_derived_defaults_are_resolved_in_one_place():
     rest stay None (no default to derive: they mean "none")."""
     meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
                     "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
-                    "collective_timeout"}  # fmt: skip
+                    "collective_timeout", "columns", "text_model"}  # fmt: skip
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
@@ -202,6 +203,11 @@ def test_usage_errors_are_one_line(capfd):
         ({"method": "moco", "teacher_momentum": 1.5}, "--teacher-momentum 1.5: must be"),
         ({"method": "moco", "teacher_momentum": -0.1}, "--teacher-momentum -0.1: must be"),
         ({"method": "dino", "loss": "dcl"}, "--loss does not apply to --method dino"),
+        ({"method": "moco", "columns": "a,b"}, "--columns does not apply to --method moco"),
+        ({"method": "pairs"}, "--method pairs needs --columns anchor,positive"),
+        ({"loss": "mnrl"}, "--loss mnrl does not apply to --method simclr"),
+        ({"columns": "a,b", "loss": "ntxent"}, "--loss ntxent does not apply to --method pairs"),
+        ({"text_pooling": "cls"}, "--text-pooling does not apply to --method simclr"),
         ({"drop_path": 0.1}, "--drop-path applies to the vit encoders, not resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
         ({"method": "dino", "model": "mlp", "local_crops": 2}, "use a resnet or a vit"),

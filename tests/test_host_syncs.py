@@ -37,7 +37,12 @@ BATCH = 7  # odd: the two ranks hold 4 and 3 samples
 #: a queue and a center, whose code paths do not depend on the encoder): (name, model, K).
 CASES = [
     (name, model, chunks) for model in ("mlp", "resnet18") for name in LOSSES for chunks in (1, 3)
-] + [(method, "mlp", chunks) for method in METHODS if method != "simclr" for chunks in (1, 3)]
+] + [
+    (method, "mlp", chunks)
+    for method in METHODS
+    if method not in ("simclr", "pairs")
+    for chunks in (1, 3)
+]
 CASES.append(("dino", "resnet18", 1))  # multi-crop: one forward per resolution
 
 

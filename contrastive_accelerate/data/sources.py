@@ -62,7 +62,7 @@ def load_image_dataset(
     image column is returned undecoded: ``read_image`` decodes it, so that a broken
     file can be named.
     """
-    splits = _load_splits(name, config_name)
+    splits = load_splits(name, config_name)
     shown = name or "digits"
     if split not in splits:
         raise DataError(f"dataset {shown!r} has no split {split!r} (splits: {', '.join(splits)})")
@@ -118,7 +118,7 @@ def load_image_dataset(
     return ImageData(train, evaluation, image_column, label_column, source)
 
 
-def _load_splits(name: str | None, config_name: str | None):
+def load_splits(name: str | None, config_name: str | None):
     """``{split: Dataset}`` from any source ``load_image_dataset`` accepts."""
     import datasets
 

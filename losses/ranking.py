@@ -1,0 +1,101 @@
+"""Multiple-negatives ranking (sentence embeddings) over the global batch of all ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastive_accelerate import collectives
+from losses.inputs import check_batch, require_global_batch
+from losses.logsumexp import DENSE_MAX_BYTES, softplus, tiled_logsumexp
+from losses.precision import autocast_off, compute_dtype
+
+
+class MultipleNegativesRankingLoss(nn.Module):
+    """Multiple-negatives ranking loss (Henderson et al., 2017; sentence-transformers' MNRL).
+
+    For the global batch of N anchors ``a_i``, their positives ``p_i`` and K columns of
+    hard negatives ``n^k_i`` (all L2-normalised inside), every anchor is scored against
+    every gathered candidate ``C = [p_1..p_N, n^1_1..n^1_N, ..., n^K_1..n^K_N]`` with
+    ``s_ij = scale * a_i . c_j``, its positive at global column i::
+
+        loss = 1/N * sum_i [ log sum_j exp(s_ij) - s_ii ]
+             = 1/N * sum_i softplus( log sum_{j != i} exp(s_ij) - s_ii )
+
+    The second form is what is computed: never negative, exact near 0. With
+    ``symmetric`` the loss is the mean of that term and its reverse, each positive
+    scored against every gathered anchor (sentence-transformers'
+    ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"``).
+
+    On one process this is sentence-transformers' ``MultipleNegativesRankingLoss`` at the
+    same ``scale`` (cosine similarity, hard negatives included). Each rank scores its
+    own anchors against the gathered candidates through a differentiable gather, with
+    positives at their global index: uneven batches and idle ranks included, where
+    ``gather_across_devices=True`` assumes ``rank * n`` offsets.
+
+    Example::
+
+        criterion = MultipleNegativesRankingLoss(scale=20.0)  # model: models.text.TextPairModel
+        anchors, positives, negatives = model(0, **a), model(1, **p), model(2, **n)
+        loss = criterion(anchors, positives, negatives)
+    """
+
+    def __init__(
+        self,
+        scale: float = 20.0,
+        *,
+        symmetric: bool = False,
+        gather_distributed: bool = True,
+        tile_rows: int | None = None,
+        dense_max_bytes: int = DENSE_MAX_BYTES,
+    ) -> None:
+        super().__init__()
+        if not scale > 0:
+            raise ValueError(f"MultipleNegativesRankingLoss: scale must be > 0, got {scale}")
+        self.scale = scale
+        self.symmetric = symmetric
+        self.gather_distributed = gather_distributed
+        self.tile_rows = tile_rows
+        self.dense_max_bytes = dense_max_bytes
+
+    def forward(
+        self,
+        anchors: torch.Tensor,
+        positives: torch.Tensor,
+        *negatives: torch.Tensor,
+        sizes: list[int] | None = None,
+    ) -> torch.Tensor:
+        name = type(self).__name__
+        rank, world_size, sizes, (anchors, positives, _) = check_batch(
+            name, anchors, positives, gather_distributed=self.gather_distributed, sizes=sizes
+        )
+        for column, negative in enumerate(negatives, start=2):
+            if negative.shape[1:] != anchors.shape[1:] or len(negative) != len(anchors):
+                raise ValueError(
+                    f"{name}: column {column} has shape {tuple(negative.shape)}, the anchors "
+                    f"{tuple(anchors.shape)}"
+                )
+        if not negatives:
+            require_global_batch(name, sizes, 2, "so that every anchor has a negative")
+        with autocast_off(anchors.device):
+            dtype = compute_dtype(anchors, positives, *negatives)
+            a, p, *n = (F.normalize(x.to(dtype), dim=1) for x in (anchors, positives, *negatives))
+
+            def gathered(x: torch.Tensor) -> torch.Tensor:
+                return collectives.gather(x, sizes=sizes) if world_size > 1 else x
+
+            rows = torch.arange(len(a), device=a.device)
+            own = (sum(sizes[:rank]) + rows)[:, None]  # each anchor's positive column
+            candidates = torch.cat([gathered(x) for x in (p, *n)])
+            positive = self.scale * (a * p).sum(dim=1)
+            negatives_lse = tiled_logsumexp(
+                self.scale * a, candidates, own, self.tile_rows, self.dense_max_bytes
+            )
+            terms = softplus(negatives_lse - positive)
+            if self.symmetric:
+                reverse = tiled_logsumexp(
+                    self.scale * p, gathered(a), own, self.tile_rows, self.dense_max_bytes
+                )
+                terms = 0.5 * (terms + softplus(reverse - positive))
+            return terms.sum() * (world_size / sum(sizes))

@@ -1,0 +1,252 @@
+"""Text towers: a Hugging Face ``transformers`` encoder, pooled and projected.
+
+``transformers`` is the optional ``[text]`` extra: this module imports it only when a
+tower is loaded, so image-only runs never import it.
+
+    encoder, tokenizer = load_text_encoder("path/to/bert")
+    model = TextPairModel([TextTower(encoder, "mean")])         # one tower shared by every column
+    embeddings = model([(input_ids, attention_mask)])           # one column, one row per text
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.dropout import SampleDropout, sample_randomness
+
+POOLINGS = ("cls", "mean")
+#: Subfolders of a saved ``TextPairModel``: each tower, and the sentence-transformers export.
+TOWER_DIR, SENTENCE_TRANSFORMER_DIR = "tower{}", "sentence_transformer"
+
+
+class TextError(ValueError):
+    """A text tower or tokenizer problem the user must fix: reported as one line."""
+
+
+def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
+    """``AutoModel`` and ``AutoTokenizer`` from a local directory or the hub, from
+    safetensors only and without remote code: loading never executes code. Raises
+    ``TextError`` for a missing ``transformers``, an unloadable model or a tokenizer
+    without a pad token (the batches are padded)."""
+    try:
+        import transformers
+    except ImportError:
+        raise TextError("--text-model needs transformers: pip install -e '.[text]'") from None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+        encoder = transformers.AutoModel.from_pretrained(
+            name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
+        )
+    except Exception as error:  # transformers raises many types; the user needs one line
+        raise TextError(
+            f"cannot load --text-model {name_or_path!r}: {_first_line(error)}"
+        ) from None
+    if getattr(encoder, "pooler", None) is not None:
+        # Our pooling replaces BERT-style poolers: their weights would take no gradient,
+        # which DDP refuses, and weight decay would still shrink them.
+        encoder.pooler = None
+    if tokenizer.pad_token_id is None:
+        raise TextError(
+            f"the tokenizer of --text-model {name_or_path!r} has no pad token; set one "
+            "(tokenizer.pad_token = ...) and save it again"
+        )
+    return encoder, tokenizer
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+class TextTower(nn.Module):
+    """A ``transformers`` encoder, its last hidden states pooled (``cls``: the first
+    token's; ``mean``: the mean over the attention mask's tokens, sentence-transformers'
+    mean pooling) and, with ``projection_dim``, a linear projection (with bias).
+
+    Padding does not change a text's embedding: attention masks keep pad tokens out of
+    attention and pooling. ``use_attention_mask=False`` is the negative control.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        pooling: str = "mean",
+        projection_dim: int | None = None,
+        *,
+        use_attention_mask: bool = True,
+    ) -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.encoder, self.pooling = encoder, pooling
+        self.use_attention_mask = use_attention_mask
+        hidden = encoder.config.hidden_size
+        self.projection = nn.Linear(hidden, projection_dim) if projection_dim else None
+
+    @property
+    def output_dim(self) -> int:
+        return self.projection.out_features if self.projection else self.encoder.config.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if len(input_ids) == 0:
+            # An idle rank (an uneven last batch): transformers' encoders cannot run on no
+            # rows, yet DDP needs every parameter in this rank's graph. One row, kept none.
+            one_row = input_ids.new_zeros((1, 1)), attention_mask.new_ones((1, 1))
+            with sample_randomness(torch.zeros(1, dtype=torch.int64, device=input_ids.device)):
+                return self(*one_row)[:0]
+        mask = attention_mask if self.use_attention_mask else None
+        hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+        return self.projection(pooled) if self.projection is not None else pooled
+
+
+class TextPairModel(nn.Module):
+    """The towers of a text-text run: ``towers[0]`` embeds the anchors, ``towers[-1]``
+    every other column (one tower: shared; two: asymmetric query and document towers).
+
+    ``forward(columns, keys)`` embeds each column, ``(input_ids, attention_mask)``, with
+    its tower and returns the rows column after column. ``keys[c]``, one per row, key
+    column c's dropout masks (``models.sample_randomness``); one call per chunk, so a
+    DDP-wrapped model runs one forward per step or chunk.
+    """
+
+    def __init__(
+        self,
+        towers: Sequence[TextTower],
+        tokenizers: Sequence[Any] = (),
+        max_length: int | None = None,
+    ) -> None:
+        super().__init__()
+        if len(towers) not in (1, 2):
+            raise ValueError(f"TextPairModel takes one or two towers, got {len(towers)}")
+        if len({tower.output_dim for tower in towers}) != 1:
+            raise ValueError("the towers embed into different widths: give them a projection")
+        self.towers = nn.ModuleList(towers)
+        self.tokenizers = list(tokenizers)  # saved beside each tower, not trained
+        self.max_length = max_length
+
+    def tower(self, column: int) -> TextTower:
+        return self.towers[0] if column == 0 else self.towers[-1]
+
+    def forward(
+        self,
+        columns: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keys: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        outputs = []
+        for column, (input_ids, attention_mask) in enumerate(columns):
+            randomness = (
+                sample_randomness(keys[column]) if keys is not None else contextlib.nullcontext()
+            )
+            with randomness:
+                outputs.append(self.tower(column)(input_ids, attention_mask))
+        return torch.cat(outputs)
+
+    def save_pretrained(self, directory: str) -> None:
+        """``model.safetensors`` (every weight, as checkpoints hold them); each tower's
+        encoder and tokenizer through ``save_pretrained`` in ``tower0/`` (and ``tower1/``),
+        which ``AutoModel`` and ``AutoTokenizer`` load; with one tower also a
+        sentence-transformers directory (``sentence_transformer/``: Transformer, Pooling,
+        Dense) when that package is installed."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        state = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
+        save_file(state, os.path.join(directory, "model.safetensors"))
+        towers = []
+        for index, tower in enumerate(self.towers):
+            path = os.path.join(directory, TOWER_DIR.format(index))
+            tower.encoder.save_pretrained(path, safe_serialization=True)
+            if index < len(self.tokenizers):
+                self.tokenizers[index].save_pretrained(path)
+            width = tower.projection.out_features if tower.projection is not None else None
+            towers.append(
+                {"path": TOWER_DIR.format(index), "pooling": tower.pooling, "projection": width}
+            )
+        with open(os.path.join(directory, "config.json"), "w") as file:
+            json.dump({"towers": towers, "max_length": self.max_length}, file, indent=2)
+        if len(self.towers) == 1 and self.tokenizers:
+            export_sentence_transformer(
+                self.towers[0],
+                os.path.join(directory, TOWER_DIR.format(0)),
+                os.path.join(directory, SENTENCE_TRANSFORMER_DIR),
+                self.max_length,
+            )
+
+
+def export_sentence_transformer(
+    tower: TextTower, tower_dir: str, directory: str, max_length: int | None
+) -> bool:
+    """``tower`` as a ``SentenceTransformer`` saved in ``directory``: the encoder saved in
+    ``tower_dir``, its pooling, and the projection as a ``Dense`` without activation.
+    Returns False (and writes nothing) when sentence-transformers is not installed."""
+    try:
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
+    except ImportError:
+        return False
+    hidden = tower.encoder.config.hidden_size
+    modules: list[nn.Module] = [
+        Transformer(tower_dir, max_seq_length=max_length),
+        Pooling(hidden, pooling_mode=tower.pooling),
+    ]
+    if tower.projection is not None:
+        modules.append(
+            Dense(
+                hidden,
+                tower.projection.out_features,
+                activation_function=nn.Identity(),
+                init_weight=tower.projection.weight.detach().clone(),
+                init_bias=tower.projection.bias.detach().clone(),
+            )
+        )
+    SentenceTransformer(modules=modules, device="cpu").save(directory)
+    return True
+
+
+def switch_off_kernel_dropout(
+    tower: TextTower, probe: tuple[torch.Tensor, torch.Tensor], say: Callable[[str], Any]
+) -> list[str]:
+    """Set to 0 every ``SampleDropout`` of ``tower`` whose module a forward never calls:
+    its probability is read by the model's own code and drawn inside a kernel (BERT's
+    SDPA attention dropout), from each process's RNG, where no sample key reaches it.
+    Says so in one line; returns the modules' names."""
+    candidates = {
+        module: name
+        for name, module in tower.named_modules()
+        if isinstance(module, SampleDropout) and module.p > 0
+    }
+    called: set[nn.Module] = set()
+    hooks = [m.register_forward_hook(lambda m, i, o: called.add(m)) for m in candidates]
+    was_training = tower.training
+    tower.train()
+    try:
+        input_ids, attention_mask = probe
+        with torch.no_grad(), sample_randomness(torch.zeros(len(input_ids), dtype=torch.int64)):
+            tower(input_ids, attention_mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        tower.train(was_training)
+    silent = [name for module, name in candidates.items() if module not in called]
+    for module, name in candidates.items():
+        if name in silent:
+            module.p = 0.0
+    if silent:
+        shown = ", ".join(silent[:2]) + (f" and {len(silent) - 2} more" if len(silent) > 2 else "")
+        say(
+            f"notice: dropout drawn inside a kernel cannot be keyed by sample, so it is switched "
+            f"off: {shown} (e.g. attention dropout under SDPA)"
+        )
+    return silent
