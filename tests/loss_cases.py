@@ -19,6 +19,7 @@ from losses import (
     DCLLoss,
     DCLWLoss,
     InfoNCELoss,
+    MultipleNegativesRankingLoss,
     NTXentLoss,
     SigLIPLoss,
     SupConLoss,
@@ -29,6 +30,7 @@ import references
 
 FEATURES = 5
 TEMPERATURE = 0.3
+MNRL_SCALE = 20.0  # sentence-transformers' default
 
 
 def no_grad_gather(x, group=None, sizes=None, **_):
@@ -157,6 +159,16 @@ CASES = {
         lambda: SigLIPLoss(), references.siglip, extra="scale_bias", controls=GATHER_CONTROLS
     ),
     "siglip_tiled": Case(lambda: SigLIPLoss(tile_columns=2), references.siglip, extra="scale_bias"),
+    "mnrl": Case(
+        lambda: MultipleNegativesRankingLoss(MNRL_SCALE),
+        lambda a, b: references.mnrl(a, b, scale=MNRL_SCALE),
+        controls=GATHER_CONTROLS,
+    ),
+    "mnrl_symmetric": Case(
+        lambda: MultipleNegativesRankingLoss(MNRL_SCALE, symmetric=True, tile_rows=2),
+        lambda a, b: references.mnrl(a, b, scale=MNRL_SCALE, symmetric=True),
+        controls=GATHER_CONTROLS,
+    ),
     "barlowtwins": Case(
         lambda: BarlowTwinsLoss(lambda_param=0.1),
         lambda a, b: references.barlow_twins(a, b, 0.1),

@@ -81,6 +81,49 @@ def infonce(features0, features1, logit_scale) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
+def mnrl(anchors, positives, *negatives, scale: float, symmetric: bool = False) -> torch.Tensor:
+    """Multiple-negatives ranking: each anchor's cross-entropy over every positive and hard
+    negative (cosine similarity times ``scale``), its own positive the target; with
+    ``symmetric``, averaged with each positive's cross-entropy over every anchor."""
+    a, p = _unit(anchors), _unit(positives)
+    candidates = [p[j] for j in range(len(p))] + [
+        _unit(n)[j] for n in negatives for j in range(len(n))
+    ]
+    terms = []
+    for i in range(len(a)):
+        row = [scale * a[i] @ c for c in candidates]
+        term = _log_sum_exp(row) - row[i]
+        if symmetric:
+            column = [scale * p[i] @ a[j] for j in range(len(a))]
+            term = 0.5 * (term + _log_sum_exp(column) - column[i])
+        terms.append(term)
+    return torch.stack(terms).mean()
+
+
+class RankOffsetMNRL(torch.nn.Module):
+    """sentence-transformers' ``gather_across_devices=True`` restated: candidates gathered
+    with their gradient, the mean over this rank's anchors, and each anchor's positive at
+    ``rank * n + i``: right only when every rank holds n rows (the control)."""
+
+    def __init__(self, scale: float = 20.0) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, anchors, positives, *negatives):
+        import torch.distributed as dist
+
+        from contrastive_accelerate import collectives
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        a = _unit(anchors)
+        candidates = torch.cat([collectives.gather(_unit(x)) for x in (positives, *negatives)])
+        logits = self.scale * a @ candidates.T
+        targets = rank * len(a) + torch.arange(len(a))
+        if len(a) == 0:
+            return logits.sum()
+        return F.cross_entropy(logits, targets)
+
+
 def siglip(features0, features1, logit_scale, logit_bias) -> torch.Tensor:
     """SigLIP: a binary sigmoid loss on every pair, +1 on the diagonal, -1 elsewhere."""
     pairs, total = len(features0), 0

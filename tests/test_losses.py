@@ -30,6 +30,7 @@ from losses import (
     DCLLoss,
     DCLWLoss,
     InfoNCELoss,
+    MultipleNegativesRankingLoss,
     NTXentLoss,
     SigLIPLoss,
     SupConLoss,
@@ -312,6 +313,7 @@ def _aligned_pairs(noise: float):
 NEAR_ZERO = {  # at logit scale 100, CLIP's clamp (NT-Xent: temperature 0.01)
     "infonce": lambda f0, f1: InfoNCELoss()(f0, f1, 100.0),
     "ntxent": lambda f0, f1: NTXentLoss(0.01)(f0, f1),
+    "mnrl": lambda f0, f1: MultipleNegativesRankingLoss(100.0)(f0, f1),
 }
 
 

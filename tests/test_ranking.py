@@ -1,0 +1,245 @@
+"""Multiple-negatives ranking with hard negatives, exact on W ranks, against
+sentence-transformers: its MNRL and CachedMNRL at one process, its
+``gather_across_devices=True`` at two processes with equal batches, and its ``rank * n``
+offsets (restated in tests/references.py) breaking on uneven ones.
+
+The distributed checks use the invariance kit (``contrastive_accelerate.testing``): the
+mean of the per-rank values against one process, and every input row's gradient, on
+even, uneven and idle-rank splits, float64 (atol 1e-10: only summation order differs).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from contrastive_accelerate.data.pairs import TextColumns
+from contrastive_accelerate.grad_cache import cached_backward
+from contrastive_accelerate.testing import assert_loss_invariant
+from losses import MultipleNegativesRankingLoss
+
+import references
+from launch import WORDS, make_text_model
+
+st_losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+SCALE = 20.0
+ROWS, WIDTH = 7, 6
+
+
+def anchors_positives_negatives(negatives: int = 2) -> tuple[torch.Tensor, ...]:
+    """Positives near their anchors, hard negatives near them too (harder than the batch)."""
+    generator = torch.Generator().manual_seed(3)
+    anchors = torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64)
+    positives = anchors + 0.5 * torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64)
+    hard = [
+        anchors + 0.8 * torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64)
+        for _ in range(negatives)
+    ]
+    return anchors, positives, *hard
+
+
+class SentenceTransformersMNRL(torch.nn.Module):
+    """sentence-transformers' own loss on embeddings, as the kit calls a loss."""
+
+    def __init__(self, gather_across_devices: bool = False, symmetric: bool = False) -> None:
+        super().__init__()
+        directions = ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
+        self.peer = st_losses.MultipleNegativesRankingLoss(
+            model=None,
+            scale=SCALE,
+            gather_across_devices=gather_across_devices,
+            directions=directions,
+            partition_mode="per_direction",
+        )
+
+    def forward(self, *columns: torch.Tensor) -> torch.Tensor:
+        return self.peer.compute_loss_from_embeddings(list(columns), None)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-direction", "symmetric"])
+def test_hard_negatives_are_exact_on_any_split(symmetric):
+    report = assert_loss_invariant(
+        partial(MultipleNegativesRankingLoss, SCALE, symmetric=symmetric),
+        anchors_positives_negatives,
+    )
+    print(f"mnrl with 2 hard-negative columns, symmetric={symmetric}: {report.worst:.1e}")
+
+
+@pytest.mark.parametrize(
+    "make_loss",
+    [
+        partial(MultipleNegativesRankingLoss, SCALE, gather_distributed=False),
+        partial(references.RankOffsetMNRL, SCALE),
+    ],
+    ids=["local-negatives-only", "rank-times-n-offsets"],
+)
+def test_control_local_negatives_or_rank_offsets_break_on_uneven_batches(make_loss):
+    with pytest.raises(AssertionError, match="not exact on 2 processes") as failure:
+        assert_loss_invariant(make_loss, anchors_positives_negatives, world_sizes=(2,),
+                              splits={2: [[4, 3]]})  # fmt: skip
+    print(str(failure.value).splitlines()[0])
+
+
+def test_rank_offsets_are_right_on_even_batches():
+    """The control's restatement of the peer is faithful: exact where its assumption holds,
+    as sentence-transformers' own loss is (next test)."""
+    rows = anchors_positives_negatives()[0].shape[0] + 1  # 8: two even shares
+    inputs = partial(_even_inputs, rows)
+    assert_loss_invariant(
+        partial(references.RankOffsetMNRL, SCALE), inputs, world_sizes=(2,), splits={2: [[4, 4]]}
+    )
+
+
+def _even_inputs(rows: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(5)
+    return tuple(torch.randn(rows, WIDTH, generator=generator, dtype=torch.float64) for _ in "apn")
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-direction", "symmetric"])
+def test_sentence_transformers_gather_across_devices_on_equal_batches(symmetric):
+    """Their distributed loss at 2 processes on 4 + 4 rows is the one-process loss, and
+    so is ours: the two agree (previous tests) where the peer is right."""
+    inputs = partial(_even_inputs, 8)
+    peer = partial(SentenceTransformersMNRL, gather_across_devices=True, symmetric=symmetric)
+    assert_loss_invariant(peer, inputs, world_sizes=(2,), splits={2: [[4, 4]]})
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-direction", "symmetric"])
+def test_one_process_equals_sentence_transformers(symmetric):
+    columns = [x.clone().requires_grad_() for x in anchors_positives_negatives()]
+    ours = MultipleNegativesRankingLoss(SCALE, symmetric=symmetric)(*columns)
+    ours_grads = torch.autograd.grad(ours, columns)
+    theirs = SentenceTransformersMNRL(symmetric=symmetric)(*columns)
+    their_grads = torch.autograd.grad(theirs, columns)
+    reference = references.mnrl(*columns, scale=SCALE, symmetric=symmetric)
+    value = abs(ours.item() - theirs.item())
+    pairs = zip(ours_grads, their_grads, strict=True)
+    gradient = max((a - b).abs().max().item() for a, b in pairs)
+    print(
+        f"vs sentence-transformers, symmetric={symmetric}: value {value:.1e}, grad {gradient:.1e}"
+    )
+    assert value <= 1e-12 and gradient <= 1e-12
+    assert ours.item() == pytest.approx(reference.item(), abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """No dropout: sentence-transformers' cached loss replays it with its own RNG state."""
+    return str(make_text_model(tmp_path_factory.mktemp("bert"), dropout=0.0))
+
+
+def test_gradient_caching_equals_sentence_transformers_cached_mnrl(tiny_bert):
+    """The trainer's path (TextColumns, TextPairModel, cached_backward in 3 chunks) against
+    ``CachedMultipleNegativesRankingLoss(mini_batch_size=2)`` on the same tiny BERT, float64:
+    the loss and every encoder weight's gradient."""
+    import datasets
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    from models.text import TextPairModel, TextTower, load_text_encoder
+
+    generator = torch.Generator().manual_seed(0)
+    words = list(WORDS)
+
+    def sentence() -> str:
+        count = int(torch.randint(2, 8, (1,), generator=generator))
+        return " ".join(
+            words[int(i)] for i in torch.randint(len(words), (count,), generator=generator)
+        )
+
+    rows = {column: [sentence() for _ in range(6)] for column in ("anchor", "positive", "negative")}
+    dataset = datasets.Dataset.from_dict(rows)
+
+    encoder, tokenizer = load_text_encoder(tiny_bert, torch.float64)
+    model = TextPairModel([TextTower(encoder, "mean")]).train()
+    items = TextColumns(dataset, ("anchor", "positive", "negative"), tokenizer, max_length=32)
+    batch = items.collate([items[(0, index)] for index in range(6)])
+    criterion = MultipleNegativesRankingLoss(SCALE)
+
+    def loss_fn(outputs):
+        per_chunk = [output.unflatten(0, (3, -1)) for output in outputs]
+        return criterion(*(torch.cat([o[c] for o in per_chunk]) for c in range(3)))
+
+    ours = cached_backward(
+        model, batch.split(3), loss_fn, forward=lambda chunk: model(chunk.columns)
+    )
+
+    transformer = Transformer(tiny_bert, max_seq_length=32)
+    peer_model = (
+        SentenceTransformer(
+            modules=[transformer, Pooling(encoder.config.hidden_size, "mean")], device="cpu"
+        )
+        .double()
+        .train()
+    )
+    peer = st_losses.CachedMultipleNegativesRankingLoss(peer_model, scale=SCALE, mini_batch_size=2)
+    features = [peer_model.tokenize(rows[column]) for column in ("anchor", "positive", "negative")]
+    theirs = peer(features, None)
+    theirs.backward()
+
+    ours_grads = {
+        name.removeprefix("towers.0.encoder."): p.grad for name, p in model.named_parameters()
+    }
+    worst = 0.0
+    for name, parameter in peer_model[0].named_parameters():
+        name = name.split("model.", 1)[1]
+        if parameter.grad is not None:
+            worst = max(worst, (parameter.grad - ours_grads[name]).abs().max().item())
+    value = abs(ours.item() - theirs.item())
+    print(f"vs CachedMultipleNegativesRankingLoss: value {value:.1e}, gradients {worst:.1e}")
+    assert value <= 1e-12 and worst <= 1e-12
+
+
+def test_an_empty_tower_batch_still_has_every_weight_in_the_graph(tiny_bert):
+    """An idle rank's zero rows must still reach every weight (DDP waits for each one)."""
+    from models.text import TextTower, load_text_encoder
+
+    encoder, _ = load_text_encoder(tiny_bert, torch.float64)
+    tower = TextTower(encoder, "mean", projection_dim=4).double()
+    empty = torch.zeros((0, 1), dtype=torch.long)
+    output = tower(empty, empty)
+    assert output.shape == (0, 4)
+    output.sum().backward()
+    assert all(p.grad is not None for p in tower.parameters())
+
+
+def test_padding_does_not_change_an_embedding_and_the_control_does(tiny_bert):
+    """A text padded to a longer batch embeds as alone (attention mask, masked mean), in
+    float64 to 1e-12; without the mask the pad tokens change it."""
+    from models.text import TextTower, load_text_encoder
+
+    encoder, tokenizer = load_text_encoder(tiny_bert, torch.float64)
+    texts = ["red cat", "the quick dog jumps over a stone near the river"]
+    alone = tokenizer(texts[:1], return_tensors="pt")
+    padded = tokenizer(texts, return_tensors="pt", padding=True)
+    for pooling in ("mean", "cls"):
+        tower = TextTower(encoder, pooling).eval()
+        control = TextTower(encoder, pooling, use_attention_mask=False).eval()
+        with torch.no_grad():
+            reference = tower(alone["input_ids"], alone["attention_mask"])
+            masked = tower(padded["input_ids"], padded["attention_mask"])[:1]
+            unmasked = control(padded["input_ids"], padded["attention_mask"])[:1]
+        error, broken = (
+            (reference - masked).abs().max().item(),
+            (reference - unmasked).abs().max().item(),
+        )
+        print(f"{pooling} pooling, padded from 4 to {padded['input_ids'].shape[1]} tokens: "
+              f"{error:.1e}; without the mask {broken:.1e}")  # fmt: skip
+        assert error <= 1e-12 and broken > 1e-6
+
+
+def test_bf16_autocast_keeps_the_loss_float32_and_finite():
+    columns = [x.float().requires_grad_() for x in anchors_positives_negatives()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = MultipleNegativesRankingLoss(SCALE)(
+            *(F.linear(c, torch.eye(WIDTH)) for c in columns)
+        )
+    loss.backward()
+    reference = references.mnrl(*(c.detach().double() for c in columns), scale=SCALE)
+    print(f"bf16 inputs: loss {loss.item():.4f}, float64 reference {reference.item():.4f}")
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(torch.isfinite(c.grad).all() for c in columns)
+    assert loss.item() == pytest.approx(reference.item(), rel=2e-2)  # bf16: 8 mantissa bits
