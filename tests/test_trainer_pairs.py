@@ -1,0 +1,183 @@
+"""Text pairs through trainer.py on 1, 2 and 3 processes: a tiny BERT built in the test,
+a tokenizer trained on the test's words, nothing downloaded.
+
+float64, the tower's dropout keyed by sample, a hard-negative column, and 20 rows in
+global batches of 6: every epoch ends with a batch of 2, which 3 processes split
+1 + 1 + 0 (an idle rank), and each rank pads to its own longest text. ``--max-length 8``
+truncates some texts (said once). Each negative control removes one mechanism.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrastive_accelerate.ckpt_diff import max_abs_diff
+
+from launch import launch, make_sentence_pairs, make_text_model, one_line_errors
+
+pytest.importorskip("transformers")
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+COLUMNS = "anchor,positive,negative_1"
+COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "0.1", "--max-length", "8",
+          "--log-every", "1", "--max-steps", "5", "--num-workers", "0"]  # fmt: skip
+TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", "--mnrl-symmetric"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("text")
+    return {
+        "pairs": str(make_sentence_pairs(root / "pairs.jsonl", 20)),
+        "model": str(make_text_model(root / "bert", dropout=0.1)),
+        "no_pad": str(make_text_model(root / "bert-no-pad", pad_token=False)),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    cache: dict[tuple, tuple[Path, str]] = {}
+
+    def get(processes: int, *flags: str) -> Path:
+        key = (processes, flags)
+        if key not in cache:
+            output = tmp_path_factory.mktemp("run")
+            result = launch(
+                processes, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS,
+                "--text-model", data["model"], *flags, "--output-dir", str(output),
+            )  # fmt: skip
+            cache[key] = output, result.stdout + result.stderr
+        return cache[key][0]
+
+    get.output = lambda processes, *flags: cache[(processes, flags)][1]
+    return get
+
+
+def difference(a: Path, b: Path) -> float:
+    return max_abs_diff(str(a / "final"), str(b / "final"))
+
+
+@pytest.mark.parametrize(
+    "flags, processes",
+    [
+        ((), 2),
+        ((), 3),
+        (("--accumulation-chunks", "3"), 2),
+        (TWO_TOWERS, 3),
+    ],
+    ids=["W2", "W3", "W2-K3", "two-towers-W3"],
+)
+def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
+    reference = runs(1, *(f for f in flags if f not in ("--accumulation-chunks", "3")))
+    error = difference(reference, runs(processes, *flags))
+    print(f"pairs {' '.join(flags) or 'shared tower'}, 1 vs {processes}: {error:.1e}")
+    assert error <= EXACT
+
+
+@pytest.mark.parametrize(
+    "control, reference_flags",
+    [
+        (("--dropout-masks", "per-process"), ()),
+        (("--no-gather",), ()),
+        (("--no-attention-mask",), ("--no-attention-mask",)),
+    ],
+    ids=["per-process-dropout", "local-negatives", "no-attention-mask"],
+)
+def test_control_each_mechanism_removed_breaks_it(runs, control, reference_flags):
+    error = difference(runs(1, *reference_flags), runs(2, *control))
+    print(f"control {' '.join(control)}, 1 vs 2: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+def test_the_straight_run_trains_and_says_what_it_changed(runs):
+    records = [json.loads(line) for line in (runs(2) / "metrics.jsonl").open()]
+    output = runs.output(2)
+    losses = [record["loss"] for record in records if "loss" in record]
+    assert len(losses) == 5 and all(loss > 0 for loss in losses)
+    assert output.count("are longer than --max-length 8 tokens and are truncated") == 1
+    assert output.count("dropout drawn inside a kernel cannot be keyed by sample") == 1
+
+
+def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_path):
+    straight = runs(1, "--save-every", "2")
+    resumed = tmp_path / "resumed"
+    launch(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
+           data["model"], "--output-dir", str(resumed),
+           "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
+    error = difference(straight, resumed)
+    print(f"pairs resumed at step 2 of 5: {error:.1e}")
+    assert error == 0.0
+
+
+def test_final_loads_in_transformers_and_sentence_transformers_and_embeds_alike(runs):
+    """final/tower0 through AutoModel and AutoTokenizer, final/sentence_transformer through
+    SentenceTransformer: each embeds as the trained weights of final/model.safetensors do."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    from models.text import TextPairModel, TextTower, load_text_encoder
+
+    final = runs(1) / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final / "tower0")
+    encoder, _ = load_text_encoder(str(final / "tower0"), torch.float64)
+    ours = TextPairModel([TextTower(encoder, "mean")])
+    ours.load_state_dict(load_file(final / "model.safetensors"))
+    ours.eval()
+    texts = ["red cat runs", "the quick dog jumps over a stone near the river"]
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=8, return_tensors="pt")
+    with torch.no_grad():
+        reference = ours([(tokens["input_ids"], tokens["attention_mask"])])
+        hf = AutoModel.from_pretrained(final / "tower0").eval()(**tokens).last_hidden_state
+        mask = tokens["attention_mask"][..., None].double()
+        hf = (hf * mask).sum(1) / mask.sum(1)  # mean pooling, as trained
+    st = SentenceTransformer(str(final / "sentence_transformer"), device="cpu")
+    embedded = st.encode(texts, convert_to_tensor=True).double()
+    errors = (reference - hf).abs().max().item(), (reference - embedded).abs().max().item()
+    print(f"final/ round trip: AutoModel {errors[0]:.1e}, SentenceTransformer {errors[1]:.1e}")
+    assert max(errors) <= 1e-6
+
+
+def test_two_towers_save_each_tower(runs):
+    final = runs(1, *TWO_TOWERS) / "final"
+    assert (final / "tower0" / "tokenizer.json").exists()
+    assert (final / "tower1" / "model.safetensors").exists()
+    assert json.loads((final / "config.json").read_text())["towers"][1]["projection"] == 8
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--columns", "anchor,answer"], "has no column 'answer'"),
+        ("no-pad", "has no pad token"),
+    ],
+    ids=["missing-column", "tokenizer-without-pad-token"],
+)
+def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):
+    model = data["no_pad"] if flags == "no-pad" else data["model"]
+    columns = [] if flags == "no-pad" else flags
+    result = launch(2, *COMMON, "--dataset", data["pairs"], "--text-model", model,
+                    *(columns or ["--columns", COLUMNS]), "--output-dir", str(tmp_path),
+                    check=False)  # fmt: skip
+    one_line_errors(result, message, 2)
+
+
+@pytest.mark.parametrize(
+    "columns, message",
+    [
+        (("anchor",), "give at least two"),
+        (("anchor", "anchor"), "names a column twice"),
+        (("anchor", "label"), "column 'label' holds int64, not text"),
+    ],
+)
+def test_bad_columns_are_refused_before_anything_loads(tmp_path, columns, message):
+    from contrastive_accelerate.data import DataError
+    from contrastive_accelerate.data.pairs import load_pair_dataset
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"anchor": "a cat", "positive": "the cat", "label": 1}\n' * 3)
+    with pytest.raises(DataError, match=message):
+        load_pair_dataset(str(path), columns)
