@@ -174,3 +174,19 @@ def test_accelerate_options_the_trainer_cannot_honour_are_refused(
         check=False,
     )
     one_line_errors(result, message, 2)
+
+
+def test_an_image_run_never_imports_transformers(tmp_path):
+    """transformers is the optional [text] extra: an image run imports none of it (nor
+    sentence-transformers or tokenizers), so image-only installs need none of them."""
+    script = textwrap.dedent(f"""
+        import sys
+        from trainer import TrainConfig, train
+        train(TrainConfig(model="mlp", max_steps=1, knn_k=0, output_dir={str(tmp_path)!r}))
+        print(sorted(m for m in ("transformers", "sentence_transformers", "tokenizers")
+                     if m in sys.modules))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
