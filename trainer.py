@@ -97,8 +97,8 @@ class TrainConfig:
     model: str = option("resnet18", "encoder", choices=BACKBONES)
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str | None = option(
-        None, "objective, exact on any number of processes; none: ntxent, mnrl for pairs",
-        choices=(*LOSSES, *PAIR_LOSSES),
+        None, "objective, exact on any number of processes; none: ntxent, pairs: mnrl / infonce",
+        choices=tuple(dict.fromkeys((*LOSSES, *PAIR_LOSSES))),
     )  # fmt: skip
     temperature: float | None = option(
         None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",
@@ -175,6 +175,9 @@ class TrainConfig:
     mnrl_symmetric: bool = option(
         False, "mnrl: also each positive against every anchor", resume="apply"
     )
+    zero_shot_template: str | None = option(
+        None, 'image-text: zero-shot evaluation with e.g. "a photo of a {}"', resume="free"
+    )
     # Optimisation
     batch_size: int = option(64, "global batch size, split across processes", at_least=2)
     accumulation_chunks: int = option(
@@ -184,10 +187,13 @@ class TrainConfig:
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
     drop_last: bool = option(False, "drop each epoch's short last batch")
     optimizer: str | None = option(
-        None, "none: sgd, or lars for barlowtwins and vicreg", choices=OPTIMIZERS
+        None, "none: sgd; lars for barlowtwins and vicreg, adamw for pairs", choices=OPTIMIZERS
     )
     lr: float | None = option(
-        None, "peak learning rate; none: 0.03, or 0.2 with lars", resume="apply", above=0.0
+        None,
+        "peak lr; none: sgd 0.03, lars 0.2, adamw 1e-3 (5e-5: pretrained text)",
+        resume="apply",
+        above=0.0,
     )
     momentum: float = option(0.9, "SGD / LARS momentum", resume="apply", at_least=0.0, below=1.0)
     weight_decay: float = option(5e-4, "weight decay", resume="apply", at_least=0.0)
@@ -251,7 +257,9 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         if method == "pairs" and not self.columns:
             raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
-        if self.loss is not None and (self.loss in PAIR_LOSSES) != (method == "pairs"):
+        if self.loss is not None and self.loss not in (
+            PAIR_LOSSES if method == "pairs" else LOSSES
+        ):
             raise ConfigError(f"--loss {self.loss} does not apply to --method {method}")
         if self.queue_size and method == "simclr" and self.loss not in (None, "ntxent"):
             raise ConfigError(f"--queue-size applies to --loss ntxent, not {self.loss}")
@@ -288,7 +296,8 @@ class TrainConfig:
         digits are 8x8), the model, and the rows of ``LOSSES`` and ``METHODS``."""
         digits = self.dataset is None
         method = self.method or ("pairs" if self.columns else "simclr")
-        loss = self.loss or {"simclr": "ntxent", "pairs": "mnrl"}.get(method)
+        # Pairs: mnrl for text, infonce for image-text, which the data decide.
+        loss = self.loss or ("ntxent" if method == "simclr" else None)
         derived = {
             "method": method,
             "loss": loss,
@@ -298,7 +307,7 @@ class TrainConfig:
             "horizontal_flip": not digits,
             "optimizer": "sgd",
             "temperature": 0.5,
-            **(LOSSES[loss].defaults if loss in LOSSES else {}),
+            **(LOSSES[loss].defaults if method == "simclr" else {}),
             **METHODS[method].defaults,
         }
         values = {k: v for k, v in derived.items() if getattr(self, k) is None}
@@ -311,7 +320,10 @@ class TrainConfig:
             crops = {k: v for k, v in crops.items() if getattr(config, k) is None}
             config = dataclasses.replace(config, **crops)
         if config.lr is None:
-            config = dataclasses.replace(config, lr=0.2 if config.optimizer == "lars" else 0.03)
+            lr = {"lars": 0.2, "sgd": 0.03}.get(config.optimizer, 1e-3)
+            if config.method == "pairs" and config.text_model != "scratch":
+                lr = 5e-5  # a pretrained text tower: sentence-transformers' AdamW default
+            config = dataclasses.replace(config, lr=lr)
         return config
 
 
@@ -510,6 +522,7 @@ def _train(
     if knn is not None:
         metrics["knn_top1"] = _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
         metrics |= _baselines_and_probe(accelerator, evaluated, knn, config, run, step)
+        metrics |= _method_figures(accelerator, method, knn, run, step)
     final = on_main_process(
         run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
     )
@@ -608,6 +621,16 @@ def _baselines_and_probe(accelerator, encoder, knn: KnnData, config, run, step: 
     return results
 
 
+def _method_figures(accelerator, method, knn: KnnData, run: RunDirectory, step: int) -> dict:
+    """The method's own final figures (``method.evaluate``), logged like the kNN's."""
+    results = method.evaluate(knn)
+    if results:
+        accelerator.log(results, step=step)
+        if accelerator.is_main_process:
+            run.log({"step": step, **results})
+    return results
+
+
 def _summary(metrics: dict[str, float], k: int, final: str, knn: KnnData | None) -> str:
     """The final figures, each next to its raw-pixel baseline on the same held-out images."""
     lines = [f"final model: {final}"]
@@ -623,6 +646,8 @@ def _summary(metrics: dict[str, float], k: int, final: str, knn: KnnData | None)
         raw, trained = metrics["raw_pixels_linear_probe_top1"], metrics["linear_probe_top1"]
         probe = f"linear probe top-1 ({held_out}): raw pixels {raw:.1%}"
         lines.append(f"{probe}, trained {trained:.1%}")
+    if "zero_shot_top1" in metrics:
+        lines.append(f"zero-shot top-1 ({held_out}): {metrics['zero_shot_top1']:.1%}")
     return "\n".join(lines)
 
 

@@ -148,3 +148,25 @@ class RawPixels(nn.Module):
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return images.flatten(1)
+
+
+def zero_shot_top1(
+    image_projections: nn.Module,
+    class_embeddings: torch.Tensor,
+    data: KnnData,
+    batch_size: int = 256,
+) -> float:
+    """Zero-shot top-1 accuracy (CLIP): each held-out image's class is the one whose text
+    embedding (``class_embeddings``, one row per class in ``data``'s label order) is the
+    most similar to the image's projection, ``image_projections.embed(images)``. Sharded
+    as the kNN's queries are; one all-reduce sums the correct answers."""
+    queries, labels = knn_features(image_projections, data, data.queries, data.query_labels,
+                                   batch_size)  # fmt: skip
+    classes = F.normalize(class_embeddings.float(), dim=1).to(queries.device)
+    correct = (queries @ classes.T).argmax(1).eq(labels).sum().double()
+    counts = torch.stack([correct, correct.new_tensor(len(queries))])
+    if rank_and_world_size()[1] > 1:
+        dist.all_reduce(counts)
+    if counts[1] == 0:
+        raise DataError("no readable evaluation image")
+    return (counts[0] / counts[1]).item()

@@ -17,6 +17,8 @@ object with these members, and the loop calls nothing else of it:
 - ``before_optimizer_step(epoch)``: called between the backward and the optimizer step
   (DINO's last layer, frozen during the first epochs, loses its gradient there).
 - ``after_step(step)``: called after each optimizer step (an EMA teacher's update).
+- ``evaluate(knn)``: the method's own figures at the end, beside the loop's kNN and
+  linear probe (image-text's zero-shot accuracy), from the held-out images ``knn``.
 - ``state_dict()`` / ``load_state_dict(state)``: tensors that persist across steps besides
   the model and the optimizer (a queue of past keys, a running center, a teacher's
   weights), saved with every checkpoint and the final model. They must be the same on
@@ -25,10 +27,9 @@ object with these members, and the loop calls nothing else of it:
 ``METHODS`` has one row per ``--method``: how it is built, its own defaults, and the
 options only some methods read (set for another method, they are refused).
 
-How the next methods plug in, without a change to the loop: image-text pairs, as
-``TextPairsMethod`` does text-text pairs: a dataset whose items are a row's columns (an
-image and a tokenized caption), an ``embed`` that runs each column through its own
-tower, and a two-tower loss (InfoNCE, SigLIP) whose positives sit at their global index.
+Pairs (``--columns``) are the two last rows' shape: a dataset whose items are a row's
+columns (texts, or an image and a caption), an ``embed`` that runs each column through
+its tower in one forward, and a two-tower loss whose positives sit at their global index.
 
 The SimCLR family is one method: two augmented views of each image through one
 encoder, scored by one of ``LOSSES``. Adding a loss to it is one row of that table,
@@ -37,6 +38,7 @@ its option fields on ``TrainConfig``, and its tests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +51,8 @@ from contrastive_accelerate import collectives
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import MultiCrop, MultiCropBatch, TwoViewBatch, TwoViews, label_ids
 from contrastive_accelerate.data.pairs import (
+    ImageCaptions,
+    ImageTextBatch,
     PairBatch,
     PairData,
     TextColumns,
@@ -57,6 +61,7 @@ from contrastive_accelerate.data.pairs import (
 )
 from contrastive_accelerate.data.sources import ImageData, load_image_dataset
 from contrastive_accelerate.grad_cache import has_batch_statistics
+from contrastive_accelerate.knn import KnnData, zero_shot_top1
 from contrastive_accelerate.launch import TrainerError
 from losses import (
     BarlowTwinsLoss,
@@ -350,6 +355,10 @@ class SimCLRMethod:
             push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
             self._new_keys = None
 
+    def evaluate(self, knn: KnnData) -> dict[str, float]:
+        """Nothing besides the loop's kNN and linear probe."""
+        return {}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.queue.state_dict() if self.queue is not None else {}
 
@@ -474,6 +483,10 @@ class MomentumMethod:
         if self._new_keys is not None:
             push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
             self._new_keys = None
+
+    def evaluate(self, knn: KnnData) -> dict[str, float]:
+        """Nothing besides the loop's kNN and linear probe."""
+        return {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         queue = self.queue.state_dict() if self.queue is not None else {}
@@ -603,6 +616,10 @@ class DINOMethod:
         self.center.mul_(self.center_momentum).add_(center, alpha=1 - self.center_momentum)
         self._teacher_crops = None
 
+    def evaluate(self, knn: KnnData) -> dict[str, float]:
+        """Nothing besides the loop's kNN and linear probe."""
+        return {}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return teacher_state(self.teacher) | {"center": self.center}
 
@@ -662,17 +679,15 @@ class TextPairsMethod:
         total_steps: int | None = None,
         device: torch.device | str = "cpu",
     ):
-        from models.text import TextPairModel, TextTower, load_text_encoder
+        from models.text import TextPairModel, TextTower
 
-        if config.text_model is None:
-            raise TrainerError(
-                "--columns needs --text-model: a transformers model directory or hub name"
-            )
+        if (config.loss or "mnrl") != "mnrl":
+            raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl")
         self.seed = config.seed
         dtype = DTYPES[config.dtype]
         towers, tokenizers = [], []
         for _ in range(2 if config.two_towers else 1):
-            encoder, tokenizer = load_text_encoder(config.text_model, dtype)
+            encoder, tokenizer = text_encoder(config, data, data.columns)
             tower = TextTower(
                 encoder,
                 config.text_pooling,
@@ -682,18 +697,16 @@ class TextPairsMethod:
             towers.append(text_dropout(tower, tokenizer, config, world_size, say))
             tokenizers.append(tokenizer)
         self.model = TextPairModel(towers, tokenizers, max_length=config.max_length)
-        truncated = count_truncated(
-            [text for column in data.columns for text in data.train[column]],
-            tokenizers[0],
-            config.max_length,
+        say_truncated(data, data.columns, tokenizers[0], config.max_length, say)
+        self.dataset = TextColumns(
+            data.train, data.columns, tokenizers[0], config.max_length, config.seed
         )
-        if truncated:
-            say(
-                f"notice: {truncated} of {len(data.train) * len(data.columns)} texts are longer "
-                f"than --max-length {config.max_length} tokens and are truncated"
-            )
-        self.dataset = TextColumns(data.train, data.columns, tokenizers[0], config.max_length)
-        self.criterion = PAIR_LOSSES[config.loss](config)
+        self.criterion = MultipleNegativesRankingLoss(
+            config.mnrl_scale,
+            symmetric=config.mnrl_symmetric,
+            gather_distributed=config.gather,
+            tile_rows=config.loss_tile_rows,
+        )
 
     def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
         """Every column of one chunk, column after column; column c's dropout keyed by
@@ -727,6 +740,10 @@ class TextPairsMethod:
     def after_step(self, step: int) -> None:
         """Nothing: no teacher, no queue."""
 
+    def evaluate(self, knn: KnnData) -> dict[str, float]:
+        """Nothing besides the loop's kNN and linear probe."""
+        return {}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -734,12 +751,205 @@ class TextPairsMethod:
         load_queue(None, state)
 
 
-#: The ``--loss`` of ``--method pairs``: each row makes the criterion from the options.
-PAIR_LOSSES: dict[str, Callable[[Any], nn.Module]] = {
-    "mnrl": lambda c: MultipleNegativesRankingLoss(
-        c.mnrl_scale, symmetric=c.mnrl_symmetric, **_tiles(c)
-    ),
-}
+#: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
+#: infonce (CLIP) or siglip (``ImageTextMethod``).
+PAIR_LOSSES = ("mnrl", "infonce", "siglip")
+
+
+class ImageTextMethod:
+    """Image-text pairs, CLIP's or SigLIP's two towers (``--columns image,caption``): the
+    image through ``--model`` and its projection head, the caption (one of a row's list,
+    drawn from (seed, epoch, index)) through a ``transformers`` tower and a projection,
+    scored by ``InfoNCELoss`` (``--loss infonce``, CLIP, the default) or ``SigLIPLoss``
+    over the global batch with the model's learnable scale, which ``after_step`` clamps
+    at 100 as CLIP does, and SigLIP's bias.
+
+    With ``--zero-shot-template`` ("a photo of a {}") and labels, ``evaluate`` gives CLIP's
+    zero-shot top-1 on the held-out images: each class name in the template, embedded
+    by the text tower, is a classifier row.
+    """
+
+    def __init__(
+        self,
+        config,
+        data: PairData,
+        world_size: int,
+        say: Callable[[str], Any],
+        *,
+        total_steps: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        from models.text import ImageTextModel, TextTower
+
+        self.seed, self.loss_name = config.seed, config.loss or "infonce"
+        if self.loss_name not in ("infonce", "siglip"):
+            raise TrainerError(
+                f"--loss {self.loss_name}: image-text pairs train with infonce or siglip"
+            )
+        (caption_column,) = data.text_columns
+        encoder, self.tokenizer = text_encoder(config, data, [caption_column])
+        width = config.projection_dim or SIMCLR_HEAD[2]
+        image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
+        text = TextTower(
+            encoder, config.text_pooling, width, use_attention_mask=config.attention_mask
+        ).to(DTYPES[config.dtype])
+        siglip = self.loss_name == "siglip"
+        scale = config.logit_scale_init or (10.0 if siglip else 1 / 0.07)  # SigLIP's, CLIP's
+        self.model = ImageTextModel(
+            image,
+            text_dropout(text, self.tokenizer, config, world_size, say),
+            self.tokenizer,
+            logit_scale=scale,
+            logit_bias=config.logit_bias_init if siglip else None,
+            max_length=config.max_length,
+        ).to(DTYPES[config.dtype])
+        say_truncated(data, [caption_column], self.tokenizer, config.max_length, say)
+        self.dataset = ImageCaptions(
+            data.train,
+            data.image_column,
+            caption_column,
+            self.tokenizer,
+            config.max_length,
+            config.image_size,
+            config.seed,
+            config.augment,
+            per_sample_seed=config.augmentation_seeding == "per-sample",
+            crop_min_scale=config.crop_min_scale,
+            horizontal_flip=config.horizontal_flip,
+        )
+        tiles = _tiles(config)
+        self.criterion = (
+            SigLIPLoss(tile_columns=tiles.pop("tile_rows"), **tiles)
+            if siglip
+            else InfoNCELoss(**tiles)
+        )
+        self.template = config.zero_shot_template
+        self.class_names = class_names(data) if self.template else None
+
+    def embed(self, model: nn.Module, chunk: ImageTextBatch, step: int) -> torch.Tensor:
+        """The images' projections, then the captions'; dropout keyed by (seed, step, row
+        index, 0) in the image tower and (..., 1) in the text tower."""
+        parameter = next(model.parameters())
+        device = parameter.device
+        images = chunk.images.to(device, parameter.dtype, non_blocking=True)
+        columns = [(ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+                   for ids, mask in chunk.columns]  # fmt: skip
+        keys = tuple(
+            sample_keys(self.seed, step, chunk.indices, view).to(device) for view in (0, 1)
+        )
+        return model(images, columns, keys)
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: ImageTextBatch,
+        sizes: list[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        images, texts = _view_halves(outputs)
+        images, texts = F.normalize(images, dim=1), F.normalize(texts, dim=1)
+        scale = self.model.log_logit_scale.exp()
+        if self.loss_name == "siglip":
+            return self.criterion(images, texts, scale, self.model.logit_bias, sizes=sizes)
+        return self.criterion(images, texts, scale, sizes=sizes)
+
+    def before_optimizer_step(self, epoch: int) -> None:
+        """Nothing: every parameter takes its gradient."""
+
+    def after_step(self, step: int) -> None:
+        """CLIP's clamp of the learnable scale at 100, in place, the same on every rank."""
+        with torch.no_grad():
+            self.model.log_logit_scale.clamp_(max=math.log(MAX_LOGIT_SCALE))
+
+    def evaluate(self, knn: KnnData) -> dict[str, float]:
+        """CLIP's zero-shot top-1 with ``--zero-shot-template``, else nothing."""
+        if self.template is None:
+            return {}
+        model = self.model
+        model.eval()
+        try:
+            prompts = [self.template.format(name) for name in self.class_names]
+            tokens = self.tokenizer(prompts, padding=True, truncation=True,
+                                    max_length=model.max_length, return_tensors="pt")  # fmt: skip
+            device = next(model.parameters()).device
+            with torch.no_grad():
+                classes = model.text(tokens["input_ids"].to(device),
+                                     tokens["attention_mask"].to(device))  # fmt: skip
+                accuracy = zero_shot_top1(ImageProjections(model.image), classes, knn)
+        finally:
+            model.train()
+        return {"zero_shot_top1": accuracy}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_queue(None, state)
+
+
+#: CLIP clamps its learnable logit scale at 100.
+MAX_LOGIT_SCALE = 100.0
+
+
+class ImageProjections(nn.Module):
+    """An image tower's projections as ``embed``, for the zero-shot classifier."""
+
+    def __init__(self, image: nn.Module) -> None:
+        super().__init__()
+        self.image = image
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.image(images)
+
+
+def class_names(data: PairData) -> list[str]:
+    """The label column's class names in ``knn_data``'s label order (sorted labels): a
+    ``ClassLabel``'s names, else each label as a string."""
+    if data.label_column is None or data.evaluation is None:
+        raise TrainerError(
+            "--zero-shot-template needs labels and held-out images: a label column (or "
+            "--label-column), --knn-k > 0, and an evaluation split or --eval-holdout"
+        )
+    labels = sorted(set(data.train[data.label_column]) | set(data.evaluation[data.label_column]))
+    names = getattr(data.train.features[data.label_column], "names", None)
+    return [names[label] if names else str(label) for label in labels]
+
+
+def text_encoder(config, data: PairData, columns):
+    """``--text-model``'s encoder and tokenizer, or with ``scratch`` a small BERT and a
+    vocabulary of ``columns``' texts."""
+    from models.text import SCRATCH, load_text_encoder, scratch_text_encoder
+
+    if config.text_model is None:
+        raise TrainerError(
+            "--columns needs --text-model: a transformers model directory, a hub name, or "
+            "scratch (a small BERT from random weights)"
+        )
+    if config.text_model == SCRATCH:
+        texts = [text for column in columns for value in data.train[column]
+                 for text in ([value] if isinstance(value, str) else value)]  # fmt: skip
+        return scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
+    return load_text_encoder(config.text_model, DTYPES[config.dtype])
+
+
+def pairs_method(config, data: PairData, world_size: int, say, **kwargs):
+    """Text-text (``TextPairsMethod``) or image-text (``ImageTextMethod``) pairs, as
+    ``data``'s columns are."""
+    if data.image_column is not None:
+        return ImageTextMethod(config, data, world_size, say, **kwargs)
+    return TextPairsMethod(config, data, world_size, say, **kwargs)
+
+
+def say_truncated(data: PairData, columns, tokenizer, max_length: int, say) -> None:
+    """One notice for the texts that ``max_length`` truncates, counted once at start-up."""
+    truncated, total = count_truncated(
+        [value for column in columns for value in data.train[column]], tokenizer, max_length
+    )
+    if truncated:
+        say(
+            f"notice: {truncated} of {total} texts are longer than --max-length {max_length} "
+            "tokens and are truncated"
+        )
 
 
 def text_dropout(tower: nn.Module, tokenizer, config, world_size: int, say) -> nn.Module:
@@ -774,10 +984,18 @@ def image_data(config) -> ImageData:
 
 
 def pair_data(config) -> PairData:
-    """The text columns of ``--dataset`` named by ``--columns``."""
+    """The columns of ``--dataset`` named by ``--columns``: text, or an image and text."""
     columns = tuple(column.strip() for column in config.columns.split(","))
     return load_pair_dataset(
-        config.dataset, columns, config_name=config.dataset_config, split=config.split
+        config.dataset,
+        columns,
+        config_name=config.dataset_config,
+        split=config.split,
+        image_column=config.image_column,
+        label_column=config.label_column,
+        eval_split=config.eval_split,
+        eval_holdout=config.eval_holdout,
+        evaluate=config.knn_k > 0,
     )
 
 
@@ -809,6 +1027,7 @@ DINO_OPTIONS = (
 TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
 TEXT_OPTIONS = (
     "columns",
+    "zero_shot_template",
     "text_model",
     "text_pooling",
     "max_length",
@@ -844,5 +1063,10 @@ METHODS: dict[str, MethodRow] = {
         defaults={"temperature": 0.1, "teacher_momentum": 0.996},  # DINO's
         options=(*TEACHER_OPTIONS, *DINO_OPTIONS),
     ),
-    "pairs": MethodRow(TextPairsMethod, load=pair_data, options=("loss", *TEXT_OPTIONS)),
+    "pairs": MethodRow(
+        pairs_method,
+        load=pair_data,
+        defaults={"optimizer": "adamw"},  # CLIP's and sentence-transformers'
+        options=("loss", *TEXT_OPTIONS),
+    ),
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,11 @@ from torch import nn
 from models.dropout import SampleDropout, sample_randomness
 
 POOLINGS = ("cls", "mean")
+#: ``--text-model scratch``: a small BERT from random weights, a word-level vocabulary.
+SCRATCH = "scratch"
+SCRATCH_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "intermediate_size": 128}  # fmt: skip
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 #: Subfolders of a saved ``TextPairModel``: each tower, and the sentence-transformers export.
 TOWER_DIR, SENTENCE_TRANSFORMER_DIR = "tower{}", "sentence_transformer"
 
@@ -58,6 +64,47 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
             "(tokenizer.pad_token = ...) and save it again"
         )
     return encoder, tokenizer
+
+
+def scratch_text_encoder(texts: Sequence[str], max_length: int, dtype: torch.dtype):
+    """A small BERT (``SCRATCH_SIZES``) with random weights, drawn from torch's generator
+    (seed it alike on every rank), and a word-level tokenizer whose vocabulary is every
+    lower-cased word of ``texts`` in sorted order: nothing is downloaded, and the
+    vocabulary is the same on every rank (no trainer's tie-breaking)."""
+    try:
+        import transformers
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    except ImportError:
+        raise TextError(
+            "--text-model scratch needs transformers: pip install -e '.[text]'"
+        ) from None
+    normalizer, splitter = (
+        normalizers.BertNormalizer(lowercase=True),
+        pre_tokenizers.BertPreTokenizer(),
+    )
+    words = sorted(
+        {
+            word
+            for text in texts
+            for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text))
+        }
+    )
+    vocabulary = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, splitter
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        special_tokens=[("[CLS]", vocabulary["[CLS]"]), ("[SEP]", vocabulary["[SEP]"])],
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]",
+    )  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=len(vocabulary), max_position_embeddings=max_length, **SCRATCH_SIZES
+    )
+    encoder = transformers.BertModel(config, add_pooling_layer=False).to(dtype)
+    return encoder, fast
 
 
 def _first_line(error: Exception) -> str:
@@ -159,23 +206,7 @@ class TextPairModel(nn.Module):
         which ``AutoModel`` and ``AutoTokenizer`` load; with one tower also a
         sentence-transformers directory (``sentence_transformer/``: Transformer, Pooling,
         Dense) when that package is installed."""
-        from safetensors.torch import save_file
-
-        os.makedirs(directory, exist_ok=True)
-        state = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
-        save_file(state, os.path.join(directory, "model.safetensors"))
-        towers = []
-        for index, tower in enumerate(self.towers):
-            path = os.path.join(directory, TOWER_DIR.format(index))
-            tower.encoder.save_pretrained(path, safe_serialization=True)
-            if index < len(self.tokenizers):
-                self.tokenizers[index].save_pretrained(path)
-            width = tower.projection.out_features if tower.projection is not None else None
-            towers.append(
-                {"path": TOWER_DIR.format(index), "pooling": tower.pooling, "projection": width}
-            )
-        with open(os.path.join(directory, "config.json"), "w") as file:
-            json.dump({"towers": towers, "max_length": self.max_length}, file, indent=2)
+        save_towers(self, directory, self.towers, self.tokenizers, {"max_length": self.max_length})
         if len(self.towers) == 1 and self.tokenizers:
             export_sentence_transformer(
                 self.towers[0],
@@ -183,6 +214,79 @@ class TextPairModel(nn.Module):
                 os.path.join(directory, SENTENCE_TRANSFORMER_DIR),
                 self.max_length,
             )
+
+
+class ImageTextModel(nn.Module):
+    """CLIP's two towers (Radford et al., 2021): an image encoder with its projection head
+    (``models.SimCLR``), a ``TextTower`` with a projection into the same width, and a
+    learnable logit scale (``log_logit_scale``, CLIP's 1/0.07 at start, clamped at 100 by
+    the method after each step) and, for SigLIP, a bias.
+
+    ``forward(images, columns, keys)`` returns the image projections, then the caption
+    column's; ``keys`` (images', captions') key each tower's dropout by sample.
+    ``embed(images)`` is the image encoder's features, which the kNN evaluation uses.
+    """
+
+    def __init__(
+        self,
+        image: nn.Module,
+        text: TextTower,
+        tokenizer: Any = None,
+        *,
+        logit_scale: float = 1 / 0.07,
+        logit_bias: float | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.image, self.text = image, text
+        self.log_logit_scale = nn.Parameter(torch.tensor(math.log(logit_scale)))
+        self.logit_bias = None if logit_bias is None else nn.Parameter(torch.tensor(logit_bias))
+        self.tokenizer, self.max_length = tokenizer, max_length
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.image.embed(images)
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        columns: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        ((input_ids, attention_mask),) = columns
+        image_keys, text_keys = keys if keys is not None else (None, None)
+        with sample_randomness(image_keys) if keys is not None else contextlib.nullcontext():
+            image = self.image(images)
+        with sample_randomness(text_keys) if keys is not None else contextlib.nullcontext():
+            text = self.text(input_ids, attention_mask)
+        return torch.cat([image, text])
+
+    def save_pretrained(self, directory: str) -> None:
+        """``model.safetensors`` (both towers, the projections, the scale and bias) and the
+        text tower's encoder and tokenizer in ``tower0/`` through ``save_pretrained``."""
+        tokenizers = [self.tokenizer] if self.tokenizer is not None else []
+        save_towers(self, directory, [self.text], tokenizers, {"max_length": self.max_length})
+
+
+def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: dict) -> None:
+    """``model``'s weights in ``model.safetensors``, each text tower's encoder and tokenizer
+    in ``tower<i>/`` (``save_pretrained``), and ``config.json`` describing the towers."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    save_file(state, os.path.join(directory, "model.safetensors"))
+    described = []
+    for index, tower in enumerate(towers):
+        path = os.path.join(directory, TOWER_DIR.format(index))
+        tower.encoder.save_pretrained(path, safe_serialization=True)
+        if index < len(tokenizers):
+            tokenizers[index].save_pretrained(path)
+        width = tower.projection.out_features if tower.projection is not None else None
+        described.append(
+            {"path": TOWER_DIR.format(index), "pooling": tower.pooling, "projection": width}
+        )
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump({"towers": described, **config}, file, indent=2)
 
 
 def export_sentence_transformer(

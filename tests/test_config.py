@@ -67,7 +67,8 @@ def test_derived_defaults_are_resolved_in_one_place():
     rest stay None (no default to derive: they mean "none")."""
     meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
                     "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
-                    "collective_timeout", "columns", "text_model"}  # fmt: skip
+                    "collective_timeout", "columns", "text_model",
+                    "zero_shot_template"}  # fmt: skip
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none

@@ -1,9 +1,11 @@
-"""Text pairs named by columns: an anchor, its positive and any hard negatives per row.
+"""Pairs named by columns: text-text (an anchor, its positive, any hard negatives) or
+image-text (an image and its caption, or one of its captions).
 
-``load_pair_dataset`` checks the columns (sentence-transformers' convention: anchor,
-positive, then hard negatives); ``TextColumns`` tokenizes each row in the loader's
-workers, deterministically, and ``collate`` pads each column to this rank's longest
-text with its attention mask, which keeps the padding out of the result.
+``load_pair_dataset`` finds each column's kind from the dataset (an ``Image`` feature or
+``--image-column`` paths: the image tower; strings or lists of strings: the text tower)
+and checks them. ``TextColumns`` and ``ImageCaptions`` tokenize in the loader's workers,
+deterministically, and ``collate`` pads each text column to this rank's longest text
+with its attention mask, which keeps the padding out of the result.
 """
 
 from __future__ import annotations
@@ -14,59 +16,133 @@ from typing import Any, NamedTuple
 
 import torch
 
-from contrastive_accelerate.data.sources import DataError, load_splits
+from contrastive_accelerate.data.augmentation import drawn_for_sample, simclr_augmentation
+from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, read_image, resize_to
+from contrastive_accelerate.data.sampler import derive_seed
+from contrastive_accelerate.data.sources import (
+    DataError,
+    ImageData,
+    load_image_dataset,
+    load_splits,
+)
 
 # The tokenizer is used before the loader forks its workers (the truncation count):
 # its thread pool must not be inherited half-initialised.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+CAPTION_STREAM = 2
+#: The offline digits' captions, made from each label (``--columns image,caption``).
+DIGIT_CAPTIONS = ("a handwritten {}", "the digit {}", "a {} written by hand")
+
+
 @dataclass
 class PairData:
-    """What ``load_pair_dataset`` found: the training split and its text columns."""
+    """What ``load_pair_dataset`` found: the training split and its columns; for
+    image-text also the image and label columns and the evaluation split."""
 
     train: Any
     columns: tuple[str, ...]
+    image_column: str | None = None  # image-text: which of ``columns`` is the image
+    label_column: str | None = None
     evaluation: Any | None = None
     evaluation_source: str = "evaluation: none for text pairs (retrieval metrics: not built yet)"
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        return tuple(column for column in self.columns if column != self.image_column)
 
 
 def load_pair_dataset(
     name: str | None, columns: tuple[str, ...], *, config_name: str | None = None,
-    split: str = "train",
+    split: str = "train", image_column: str | None = None, **image_options,
 ) -> PairData:  # fmt: skip
     """The ``split`` of dataset ``name`` (any source ``load_image_dataset`` takes), with
-    ``columns`` checked: at least two, present, and holding strings."""
-    if name is None:
-        raise DataError("--columns needs --dataset: the offline digits have no text columns")
+    ``columns`` checked: at least two, present, each the image tower's (an ``Image``
+    feature, or ``image_column``'s paths) or the text tower's (strings, or lists of
+    strings: one drawn per (seed, epoch, index)). One image column makes it image-text,
+    loaded by ``load_image_dataset`` with ``image_options`` (labels, evaluation split);
+    ``name`` None is then the offline digits with captions made from their labels."""
     if len(columns) < 2:
         raise DataError(
             f"--columns {','.join(columns)}: give at least two (anchor,positive[,negative...])"
         )
     if len(set(columns)) != len(columns):
         raise DataError(f"--columns {','.join(columns)} names a column twice")
+    if name is None:
+        return _digits_with_captions(columns, image_options)
     splits = load_splits(name, config_name)
     if split not in splits:
         raise DataError(f"dataset {name!r} has no split {split!r} (splits: {', '.join(splits)})")
     train = splits[split]
-    for column in columns:
-        if column not in train.column_names:
-            found = ", ".join(train.column_names)
-            raise DataError(f"dataset {name!r} has no column {column!r} (columns: {found})")
-        feature = train.features[column]
-        if getattr(feature, "dtype", None) not in ("string", "large_string"):
-            kind = type(feature).__name__ if not hasattr(feature, "dtype") else feature.dtype
-            raise DataError(
-                f"--columns: column {column!r} holds {kind}, not text; the text tower takes "
-                "strings (image-text pairs are not built yet)"
-            )
-    return PairData(train.select_columns(list(columns)), tuple(columns))
+    kinds = {column: _kind(train, column, image_column, name) for column in columns}
+    images = [column for column, kind in kinds.items() if kind == "image"]
+    if not images:
+        return PairData(train.select_columns(list(columns)), tuple(columns))
+    if len(images) > 1 or len(columns) != 2:
+        raise DataError(
+            f"--columns {','.join(columns)}: image-text pairs are one image column and one "
+            f"text column (image columns: {', '.join(images)})"
+        )
+    data = load_image_dataset(
+        name, config_name=config_name, split=split, image_column=images[0], **image_options
+    )
+    return _image_text(data, columns)
 
 
-def count_truncated(texts: list[str], tokenizer, max_length: int) -> int:
-    """How many of ``texts`` have more than ``max_length`` tokens (special tokens included)."""
-    lengths = tokenizer(texts, truncation=False, add_special_tokens=True)["input_ids"]
-    return sum(len(ids) > max_length for ids in lengths)
+def _kind(train, column: str, image_column: str | None, name: str) -> str:
+    """ "image" or "text", from the column's feature; a one-line error for anything else."""
+    import datasets
+
+    if column not in train.column_names:
+        found = ", ".join(train.column_names)
+        raise DataError(f"dataset {name!r} has no column {column!r} (columns: {found})")
+    feature = train.features[column]
+    if isinstance(feature, datasets.Image) or column == image_column:
+        return "image"
+    if isinstance(feature, (datasets.Sequence, datasets.List)):
+        feature = feature.feature
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return "text"
+    kind = feature.dtype if hasattr(feature, "dtype") else type(feature).__name__
+    raise DataError(
+        f"--columns: column {column!r} holds {kind}: neither text (strings) nor images "
+        "(an Image feature, or paths named by --image-column)"
+    )
+
+
+def _image_text(data: ImageData, columns: tuple[str, ...]) -> PairData:
+    source = data.evaluation_source.replace("kNN evaluation", "kNN and zero-shot evaluation")
+    return PairData(
+        data.train, columns, data.image_column, data.label_column, data.evaluation, source
+    )
+
+
+def _digits_with_captions(columns: tuple[str, ...], image_options: dict) -> PairData:
+    if columns != ("image", "caption"):
+        raise DataError(
+            f"--columns {','.join(columns)}: the offline digits have the columns image,caption; "
+            "pass --dataset for others"
+        )
+    data = load_image_dataset(None, **image_options)
+
+    def with_captions(split):
+        names = split.features["label"].names
+        captions = [[t.format(names[label]) for t in DIGIT_CAPTIONS] for label in split["label"]]
+        return split.add_column("caption", captions)
+
+    data.train = with_captions(data.train)
+    if data.evaluation is not None:
+        data.evaluation = with_captions(data.evaluation)
+    return _image_text(data, columns)
+
+
+def count_truncated(texts: list, tokenizer, max_length: int) -> tuple[int, int]:
+    """How many of ``texts`` (strings or lists of them) have more than ``max_length``
+    tokens, special tokens included, and how many texts there are."""
+    flat = [text for value in texts for text in ([value] if isinstance(value, str) else value)]
+    lengths = tokenizer(flat, truncation=False, add_special_tokens=True)["input_ids"]
+    return sum(len(ids) > max_length for ids in lengths), len(flat)
 
 
 class PairBatch(NamedTuple):
@@ -91,10 +167,12 @@ class PairBatch(NamedTuple):
 
 class TextColumns(torch.utils.data.Dataset):
     """Items are ``(epoch, index)``: row ``index``'s columns tokenized (truncated to
-    ``max_length``), which depends on the row alone."""
+    ``max_length``; a list of texts gives the one ``caption_of`` draws)."""
 
-    def __init__(self, dataset, columns: tuple[str, ...], tokenizer, max_length: int) -> None:
-        self.dataset, self.columns = dataset, columns
+    def __init__(
+        self, dataset, columns: tuple[str, ...], tokenizer, max_length: int, seed: int = 0
+    ) -> None:
+        self.dataset, self.columns, self.seed = dataset, columns, seed
         self.tokenizer, self.max_length = tokenizer, max_length
         self.pad_id = tokenizer.pad_token_id
 
@@ -102,9 +180,9 @@ class TextColumns(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[list[list[int]], int]:
-        _, index = item
+        epoch, index = item
         row = self.dataset[index]
-        texts = [row[column] for column in self.columns]
+        texts = [caption_of(row[column], self.seed, epoch, index) for column in self.columns]
         encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         return encoded["input_ids"], index
 
@@ -121,3 +199,94 @@ class TextColumns(torch.utils.data.Dataset):
             columns.append((input_ids, attention_mask))
         indices = torch.tensor([index for _, index in items], dtype=torch.long)
         return PairBatch(columns, indices, [])
+
+
+def caption_of(value, seed: int, epoch: int, index: int) -> str:
+    """The caption of a row: the string itself, or one of a list drawn from
+    (seed, epoch, index) alone, so that 1 and N processes draw the same one."""
+    if isinstance(value, str):
+        return value
+    if not value:
+        raise DataError(f"row {index} has an empty list of captions")
+    return value[derive_seed(seed, CAPTION_STREAM, epoch, index) % len(value)]
+
+
+class ImageTextBatch(NamedTuple):
+    """A rank's share of a global batch: each image's view, its caption's token ids and
+    attention mask (one text column)."""
+
+    images: torch.Tensor
+    columns: list[tuple[torch.Tensor, torch.Tensor]]
+    indices: torch.Tensor
+    unreadable: list[UnreadableImage]
+
+    def split(self, chunks: int) -> list[ImageTextBatch]:
+        """Always ``chunks`` pieces (``tensor_split``), empty ones where the share is short."""
+        texts = PairBatch(self.columns, self.indices, []).split(chunks)
+        images = self.images.tensor_split(chunks)
+        return [
+            ImageTextBatch(image, text.columns, text.indices, [])
+            for image, text in zip(images, texts, strict=True)
+        ]
+
+
+class ImageCaptions(torch.utils.data.Dataset):
+    """Items are ``(epoch, index)``: one augmented view of row ``index``'s image (SimCLR's
+    augmentation, drawn from (seed, epoch, index) with ``per_sample_seed``) and its
+    caption tokenized."""
+
+    def __init__(
+        self,
+        dataset,
+        image_column: str,
+        caption_column: str,
+        tokenizer,
+        max_length: int,
+        image_size: int,
+        seed: int,
+        augment: bool = True,
+        per_sample_seed: bool = True,
+        crop_min_scale: float = 0.2,
+        horizontal_flip: bool = True,
+    ) -> None:
+        self.dataset, self.image_column, self.caption_column = dataset, image_column, caption_column
+        self.per_sample_seed = per_sample_seed
+        self.text = TextColumns(dataset, (caption_column,), tokenizer, max_length)
+        self.image_size, self.seed = image_size, seed
+        self.resize = resize_to(image_size)
+        self.augment = (
+            simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
+            if augment
+            else torch.nn.Identity()
+        )
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        epoch, index = item
+        row = self.dataset[index]
+        try:
+            image = self.resize(read_image(row[self.image_column], index))
+        except UnreadableImage as unreadable:
+            return UnreadableImage(str(unreadable))  # a fresh one: see TwoViews
+
+        def draw():
+            return NORMALIZE(self.augment(image))
+
+        # Without per_sample_seed (the control): the process's RNG, as most pipelines draw.
+        view = drawn_for_sample(draw, self.seed, epoch, index) if self.per_sample_seed else draw()
+        caption = caption_of(row[self.caption_column], self.seed, epoch, index)
+        encoded = self.text.tokenizer(caption, truncation=True, max_length=self.text.max_length)
+        return view, [encoded["input_ids"]], index
+
+    def collate(self, items: list) -> ImageTextBatch:
+        unreadable = [item for item in items if isinstance(item, UnreadableImage)]
+        kept = [item for item in items if not isinstance(item, UnreadableImage)]
+        texts = self.text.collate([(ids, index) for _, ids, index in kept])
+        images = (
+            torch.stack([view for view, _, _ in kept])
+            if kept
+            else torch.empty(0, 3, self.image_size, self.image_size)
+        )
+        return ImageTextBatch(images, texts.columns, texts.indices, unreadable)

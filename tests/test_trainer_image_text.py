@@ -1,0 +1,185 @@
+"""Image-text pairs (CLIP, SigLIP) through trainer.py on 1, 2 and 3 processes.
+
+20 labelled images, each with a list of captions (one drawn per (seed, epoch, index)),
+an mlp image tower with dropout and a tiny BERT text tower with dropout, both keyed by
+sample, float64, global batches of 6: the last batch of each epoch is 2 rows, which 3
+processes split 1 + 1 + 0. Each negative control removes one mechanism.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrastive_accelerate.ckpt_diff import max_abs_diff
+
+from launch import WORDS, launch, make_text_model, small_labelled_dataset
+
+pytest.importorskip("transformers")
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "0.1", "--max-steps", "5",
+          "--columns", "image,caption", "--model", "mlp", "--image-size", "8", "--dropout",
+          "0.1", "--knn-k", "0", "--num-workers", "0", "--max-length", "8"]  # fmt: skip
+SIGLIP = ("--loss", "siglip")
+# Local negatives need 2 rows per rank: the 3 full batches of the first epoch.
+BEFORE_THE_SHORT_BATCH = ("--max-steps", "3")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("image-text")
+    dataset = small_labelled_dataset(count=20, size=10)
+    captions = [[f"{WORDS[(3 * i + k) % len(WORDS)]} {WORDS[(i + 2 * k) % len(WORDS)]} cat"
+                 for k in range(3)] for i in range(len(dataset))]  # fmt: skip
+    dataset.add_column("caption", captions).save_to_disk(str(root / "data"))
+    return {"dataset": str(root / "data"), "model": str(make_text_model(root / "bert"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data):
+    cache: dict[tuple, Path] = {}
+
+    def get(processes: int, *flags: str) -> Path:
+        key = (processes, flags)
+        if key not in cache:
+            output = tmp_path_factory.mktemp("run")
+            launch(processes, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"],
+                   *flags, "--output-dir", str(output))  # fmt: skip
+            cache[key] = output
+        return cache[key]
+
+    return get
+
+
+def difference(a: Path, b: Path) -> float:
+    return max_abs_diff(str(a / "final"), str(b / "final"))
+
+
+@pytest.mark.parametrize(
+    "flags, processes",
+    [((), 2), ((), 3), (("--accumulation-chunks", "3"), 3), (SIGLIP, 3)],
+    ids=["infonce-W2", "infonce-W3", "infonce-W3-K3", "siglip-W3"],
+)
+def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
+    reference = runs(1, *(f for f in flags if f not in ("--accumulation-chunks", "3")))
+    error = difference(reference, runs(processes, *flags))
+    print(f"image-text {' '.join(flags) or 'infonce'}, 1 vs {processes}: {error:.1e}")
+    assert error <= EXACT
+
+
+@pytest.mark.parametrize(
+    "control",
+    [
+        ("--no-gather", *BEFORE_THE_SHORT_BATCH),
+        ("--dropout-masks", "per-process"),
+        ("--augmentation-seeding", "per-process"),
+    ],
+    ids=["local-negatives", "per-process-dropout", "per-process-augmentation"],
+)
+def test_control_each_mechanism_removed_breaks_it(runs, control):
+    reference = runs(1, *(BEFORE_THE_SHORT_BATCH if "--no-gather" in control else ()))
+    error = difference(reference, runs(2, *control))
+    print(f"image-text control {' '.join(control)}, 1 vs 2: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_path):
+    straight = runs(1, *SIGLIP, "--save-every", "4")
+    resumed = tmp_path / "resumed"
+    launch(1, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"], *SIGLIP,
+           "--output-dir", str(resumed),
+           "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
+    error = difference(straight, resumed)
+    print(f"image-text resumed at step 4 of 5 (epoch 2): {error:.1e}")
+    assert error == 0.0
+
+
+def test_final_holds_both_towers_the_scale_and_the_bias(runs):
+    final = runs(1, *SIGLIP) / "final"
+    weights = load_file(final / "model.safetensors")
+    assert {"log_logit_scale", "logit_bias"} <= set(weights)
+    assert any(name.startswith("image.") for name in weights)
+    assert (final / "tower0" / "tokenizer.json").exists()
+    assert json.loads((final / "config.json").read_text())["towers"][0]["projection"] == 128
+
+
+def test_the_logit_scale_is_clamped_at_100_after_each_step(tmp_path):
+    """CLIP's clamp: a scale pushed above 100 is back at 100 after ``after_step``; the
+    control is the scale before it."""
+    from contrastive_accelerate.methods import METHODS
+    from trainer import TrainConfig
+
+    config = TrainConfig(columns="image,caption", text_model="scratch", model="mlp",
+                         knn_k=0, output_dir=str(tmp_path)).resolved()  # fmt: skip
+    data = METHODS["pairs"].load(config)
+    method = METHODS["pairs"].build(config, data, 1, print)
+    with torch.no_grad():
+        method.model.log_logit_scale.fill_(5.0)  # e^5 = 148
+    before = method.model.log_logit_scale.item()
+    method.after_step(0)
+    after = method.model.log_logit_scale.item()
+    print(f"log scale before the step's clamp {before:.3f}, after {after:.3f}")
+    assert before == 5.0
+    assert after == pytest.approx(math.log(100.0), abs=1e-7)
+
+
+def test_the_offline_digits_example_prints_a_zero_shot_accuracy_computed_from_final(tmp_path):
+    """The README's command, shortened: digits with captions from their labels, a tower
+    from scratch. Its zero-shot figure equals the one this test computes from final/."""
+    from contrastive_accelerate.data.pairs import load_pair_dataset
+    from contrastive_accelerate.knn import knn_data
+    from models.text import ImageTextModel
+
+    output = tmp_path / "run"
+    result = launch(1, "--columns", "image,caption", "--text-model", "scratch", "--model", "mlp",
+                    "--max-steps", "20", "--optimizer", "adamw", "--lr", "1e-3",
+                    "--zero-shot-template", "a handwritten {}", "--no-linear-probe",
+                    "--output-dir", str(output))  # fmt: skip
+    logged = [json.loads(line) for line in (output / "metrics.jsonl").open()]
+    (printed,) = [r["zero_shot_top1"] for r in logged if "zero_shot_top1" in r]
+    assert f"zero-shot top-1 (360 held-out images): {printed:.1%}" in result.stdout
+
+    data = load_pair_dataset(None, ("image", "caption"))
+    weights = load_file(output / "final" / "model.safetensors")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(output / "final" / "tower0")
+    model = _load_image_text(output / "final", weights)
+    assert isinstance(model, ImageTextModel)
+    knn = knn_data(data.train, data.evaluation, "image", "label", 8, False)
+    names = data.train.features["label"].names
+    tokens = tokenizer([f"a handwritten {n}" for n in names], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        classes = torch.nn.functional.normalize(model.text(**tokens), dim=1)
+        images = torch.stack([_image(data.evaluation, i) for i in range(len(data.evaluation))])
+        projected = torch.nn.functional.normalize(model.image(images), dim=1)
+    accuracy = ((projected @ classes.T).argmax(1) == knn.query_labels).double().mean().item()
+    print(f"digits zero-shot after 20 steps: printed {printed:.4f}, recomputed {accuracy:.4f}")
+    assert accuracy == pytest.approx(printed, abs=1e-9)
+
+
+def _image(dataset, index: int) -> torch.Tensor:
+    from contrastive_accelerate.data import evaluation_images
+
+    images, _ = evaluation_images(dataset, "image", 8, indices=[index])
+    return images[0]
+
+
+def _load_image_text(final: Path, weights: dict) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    from models import SimCLR
+    from models.text import ImageTextModel, TextTower
+
+    image = SimCLR(backbone="mlp", image_size=8, projection_layers=2, projection_hidden_dim=512,
+                   projection_dim=128)  # fmt: skip
+    encoder = AutoModel.from_pretrained(final / "tower0")
+    encoder.pooler = None
+    model = ImageTextModel(image, TextTower(encoder, "mean", 128))
+    model.load_state_dict(weights)
+    return model.eval()
