@@ -338,3 +338,22 @@ def test_control_the_subtractive_form_reads_negative_near_zero():
     print(f"subtractive form: row minimum {rows.min().item():.1e}, mean {rows.mean().item():.1e}")
     assert rows.min().item() < 0
     assert abs(rows.mean().item()) > 1e6 * InfoNCELoss()(*_aligned_pairs(0.01), 100.0).item()
+
+
+def test_infonce_equals_transformers_clip_loss():
+    """``VisionTextDualEncoderModel``'s loss (transformers' CLIP loss) on the logits of one
+    process: the same value and input gradients as ``InfoNCELoss``."""
+    clip = pytest.importorskip("transformers.models.clip.modeling_clip")
+    batch = global_batch(8)
+    f0, f1 = (
+        torch.nn.functional.normalize(batch[k], dim=1).requires_grad_() for k in ("out0", "out1")
+    )
+    ours = InfoNCELoss()(f0, f1, 1 / 0.07)
+    ours_grads = torch.autograd.grad(ours, (f0, f1))
+    theirs = clip.image_text_contrastive_loss(f1 @ f0.T / 0.07)  # logits per text
+    their_grads = torch.autograd.grad(theirs, (f0, f1))
+    gradient = max((a - b).abs().max().item() for a, b in zip(ours_grads, their_grads, strict=True))
+    print(
+        f"infonce vs transformers: value {abs(ours - theirs).item():.1e}, gradients {gradient:.1e}"
+    )
+    assert abs(ours - theirs).item() <= EXACT and gradient <= EXACT
