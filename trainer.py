@@ -432,7 +432,7 @@ def _train(
         accelerator.init_trackers(config.method, config=_flat_for_trackers(config))
     # Every rank evaluates its share of the kNN bank and queries (contrastive_accelerate.knn).
     knn = None
-    if data.evaluation is not None:
+    if data.evaluation is not None and data.image_column is not None:
         knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column,
                        config.image_size, config.skip_bad_images)  # fmt: skip
     # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher).
@@ -522,7 +522,7 @@ def _train(
     if knn is not None:
         metrics["knn_top1"] = _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
         metrics |= _baselines_and_probe(accelerator, evaluated, knn, config, run, step)
-        metrics |= _method_figures(accelerator, method, knn, run, step)
+    metrics |= _method_figures(accelerator, method, knn, run, step)
     final = on_main_process(
         run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
     )
@@ -621,8 +621,9 @@ def _baselines_and_probe(accelerator, encoder, knn: KnnData, config, run, step: 
     return results
 
 
-def _method_figures(accelerator, method, knn: KnnData, run: RunDirectory, step: int) -> dict:
-    """The method's own final figures (``method.evaluate``), logged like the kNN's."""
+def _method_figures(accelerator, method, knn, run: RunDirectory, step: int) -> dict:
+    """The method's own final figures (``method.evaluate``: zero-shot, retrieval), logged
+    like the kNN's."""
     results = method.evaluate(knn)
     if results:
         accelerator.log(results, step=step)
@@ -648,6 +649,10 @@ def _summary(metrics: dict[str, float], k: int, final: str, knn: KnnData | None)
         lines.append(f"{probe}, trained {trained:.1%}")
     if "zero_shot_top1" in metrics:
         lines.append(f"zero-shot top-1 ({held_out}): {metrics['zero_shot_top1']:.1%}")
+    retrieval = {key: value for key, value in metrics.items() if "@" in key}
+    if retrieval:
+        figures = ", ".join(f"{key} {value:.3f}" for key, value in retrieval.items())
+        lines.append(f"retrieval on the held-out pairs: {figures}")
     return "\n".join(lines)
 
 

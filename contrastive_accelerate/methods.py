@@ -49,7 +49,14 @@ from torch import nn
 
 from contrastive_accelerate import collectives
 from contrastive_accelerate.collectives import is_distributed
-from contrastive_accelerate.data import MultiCrop, MultiCropBatch, TwoViewBatch, TwoViews, label_ids
+from contrastive_accelerate.data import (
+    MultiCrop,
+    MultiCropBatch,
+    TwoViewBatch,
+    TwoViews,
+    evaluation_images,
+    label_ids,
+)
 from contrastive_accelerate.data.pairs import (
     ImageCaptions,
     ImageTextBatch,
@@ -63,6 +70,7 @@ from contrastive_accelerate.data.sources import ImageData, load_image_dataset
 from contrastive_accelerate.grad_cache import has_batch_statistics
 from contrastive_accelerate.knn import KnnData, zero_shot_top1
 from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.retrieval import paired_retrieval
 from losses import (
     BarlowTwinsLoss,
     DCLLoss,
@@ -701,6 +709,8 @@ class TextPairsMethod:
         self.dataset = TextColumns(
             data.train, data.columns, tokenizers[0], config.max_length, config.seed
         )
+        self.evaluation, self.columns = data.evaluation, data.columns
+        self.tokenizer, self.max_length = tokenizers[0], config.max_length
         self.criterion = MultipleNegativesRankingLoss(
             config.mnrl_scale,
             symmetric=config.mnrl_symmetric,
@@ -740,9 +750,26 @@ class TextPairsMethod:
     def after_step(self, step: int) -> None:
         """Nothing: no teacher, no queue."""
 
-    def evaluate(self, knn: KnnData) -> dict[str, float]:
-        """Nothing besides the loop's kNN and linear probe."""
-        return {}
+    def evaluate(self, knn: KnnData | None) -> dict[str, float]:
+        """Retrieval on the held-out pairs: each anchor's positive among all of theirs
+        (``retrieval_mrr@10``, ``retrieval_recall@k``), sharded across ranks."""
+        if self.evaluation is None:
+            return {}
+        anchors, positives = (first_texts(self.evaluation[c]) for c in self.columns[:2])
+        model, device = self.model, next(self.model.parameters()).device
+        model.eval()
+        try:
+            with torch.no_grad():
+                figures = paired_retrieval(
+                    lambda rows: embed_texts(model.tower(0), self.tokenizer,
+                                             [anchors[i] for i in rows], self.max_length),
+                    lambda rows: embed_texts(model.tower(1), self.tokenizer,
+                                             [positives[i] for i in rows], self.max_length),
+                    len(anchors), device,
+                )  # fmt: skip
+        finally:
+            model.train()
+        return {f"retrieval_{name}": value for name, value in figures.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -825,6 +852,8 @@ class ImageTextMethod:
         )
         self.template = config.zero_shot_template
         self.class_names = class_names(data) if self.template else None
+        self.evaluation, self.caption_column = data.evaluation, caption_column
+        self.image_column, self.image_size = data.image_column, config.image_size
 
     def embed(self, model: nn.Module, chunk: ImageTextBatch, step: int) -> torch.Tensor:
         """The images' projections, then the captions'; dropout keyed by (seed, step, row
@@ -861,24 +890,43 @@ class ImageTextMethod:
         with torch.no_grad():
             self.model.log_logit_scale.clamp_(max=math.log(MAX_LOGIT_SCALE))
 
-    def evaluate(self, knn: KnnData) -> dict[str, float]:
-        """CLIP's zero-shot top-1 with ``--zero-shot-template``, else nothing."""
-        if self.template is None:
+    def evaluate(self, knn: KnnData | None) -> dict[str, float]:
+        """On the held-out images: retrieval in both directions (each image's caption among
+        all of theirs, and the reverse: ``image_to_text_recall@k``, ``text_to_image_...``),
+        and CLIP's zero-shot top-1 with ``--zero-shot-template``."""
+        if self.evaluation is None:
             return {}
         model = self.model
+        parameter = next(model.parameters())
+        captions = first_texts(self.evaluation[self.caption_column])
+
+        def images(rows):
+            pixels, _ = evaluation_images(self.evaluation, self.image_column, self.image_size,
+                                          indices=list(rows))  # fmt: skip
+            return model.image(pixels.to(parameter.device, parameter.dtype))
+
+        def texts(rows):
+            return embed_texts(model.text, self.tokenizer, [captions[i] for i in rows],
+                               model.max_length)  # fmt: skip
+
+        figures = {}
         model.eval()
         try:
-            prompts = [self.template.format(name) for name in self.class_names]
-            tokens = self.tokenizer(prompts, padding=True, truncation=True,
-                                    max_length=model.max_length, return_tensors="pt")  # fmt: skip
-            device = next(model.parameters()).device
             with torch.no_grad():
-                classes = model.text(tokens["input_ids"].to(device),
-                                     tokens["attention_mask"].to(device))  # fmt: skip
-                accuracy = zero_shot_top1(ImageProjections(model.image), classes, knn)
+                for name, (queries, documents) in {
+                    "image_to_text": (images, texts), "text_to_image": (texts, images)
+                }.items():  # fmt: skip
+                    found = paired_retrieval(queries, documents, len(captions), parameter.device)
+                    figures |= {f"{name}_{k}": v for k, v in found.items() if k != "mrr@10"}
+                if self.template is not None and knn is not None:
+                    prompts = [self.template.format(name) for name in self.class_names]
+                    classes = embed_texts(model.text, self.tokenizer, prompts, model.max_length)
+                    figures["zero_shot_top1"] = zero_shot_top1(
+                        ImageProjections(model.image), classes, knn
+                    )
         finally:
             model.train()
-        return {"zero_shot_top1": accuracy}
+        return figures
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -938,6 +986,19 @@ def pairs_method(config, data: PairData, world_size: int, say, **kwargs):
     if data.image_column is not None:
         return ImageTextMethod(config, data, world_size, say, **kwargs)
     return TextPairsMethod(config, data, world_size, say, **kwargs)
+
+
+def first_texts(values: list) -> list[str]:
+    """Each row's text, or the first of its list: evaluation takes no draw."""
+    return [value if isinstance(value, str) else value[0] for value in values]
+
+
+def embed_texts(tower: nn.Module, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
+    """``texts`` through ``tower``, padded to their longest and truncated to ``max_length``."""
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                       return_tensors="pt")  # fmt: skip
+    device = next(tower.parameters()).device
+    return tower(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
 
 
 def say_truncated(data: PairData, columns, tokenizer, max_length: int, say) -> None:

@@ -2,8 +2,9 @@
 a tokenizer trained on the test's words, nothing downloaded.
 
 float64, the tower's dropout keyed by sample, a hard-negative column, and 20 rows in
-global batches of 6: every epoch ends with a batch of 2, which 3 processes split
-1 + 1 + 0 (an idle rank), and each rank pads to its own longest text. ``--max-length 8``
+global batches of 6 (25 rows, 5 held out for retrieval): every epoch ends with a batch
+of 2, which 3 processes split 1 + 1 + 0 (an idle rank), and each rank pads to its own
+longest text. ``--max-length 8``
 truncates some texts (said once). Each negative control removes one mechanism.
 """
 
@@ -23,7 +24,8 @@ from launch import launch, make_sentence_pairs, make_text_model, one_line_errors
 pytest.importorskip("transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COLUMNS = "anchor,positive,negative_1"
-COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "0.1", "--max-length", "8",
+# AdamW (the pairs' default) at 1e-3: at 0.1 its steps amplify float64 rounding to 1e-11.
+COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-length", "8",
           "--log-every", "1", "--max-steps", "5", "--num-workers", "0"]  # fmt: skip
 TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", "--mnrl-symmetric"]
 
@@ -32,7 +34,7 @@ TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", 
 def data(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("text")
     return {
-        "pairs": str(make_sentence_pairs(root / "pairs.jsonl", 20)),
+        "pairs": str(make_sentence_pairs(root / "pairs.jsonl", 25)),
         "model": str(make_text_model(root / "bert", dropout=0.1)),
         "no_pad": str(make_text_model(root / "bert-no-pad", pad_token=False)),
     }
@@ -76,6 +78,13 @@ def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processe
     error = difference(reference, runs(processes, *flags))
     print(f"pairs {' '.join(flags) or 'shared tower'}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
+    # Sums of counts and reciprocal ranks: equal up to their float64 summation order.
+    assert retrieval(reference) == pytest.approx(retrieval(runs(processes, *flags)), abs=1e-12)
+
+
+def retrieval(run: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    return {key: value for record in records for key, value in record.items() if "@" in key}
 
 
 @pytest.mark.parametrize(
@@ -141,6 +150,28 @@ def test_final_loads_in_transformers_and_sentence_transformers_and_embeds_alike(
     assert max(errors) <= 1e-6
 
 
+def test_the_logged_retrieval_is_what_the_final_towers_give(runs, data):
+    """MRR@10 and recall@1 on the held-out pairs, recomputed here from final/'s weights
+    with sentence-transformers' encoder, against the figures the run logged."""
+    from sentence_transformers import SentenceTransformer
+
+    from contrastive_accelerate.data.pairs import load_pair_dataset
+
+    held_out = load_pair_dataset(data["pairs"], tuple(COLUMNS.split(","))).evaluation
+    st = SentenceTransformer(str(runs(1) / "final" / "sentence_transformer"), device="cpu")
+    anchors, positives = (
+        st.encode(held_out[column], convert_to_tensor=True, normalize_embeddings=True)
+        for column in ("anchor", "positive")
+    )
+    similarity = anchors @ positives.T
+    ranks = 1 + (similarity > similarity.diagonal()[:, None]).sum(dim=1)
+    mrr = torch.where(ranks <= 10, 1.0 / ranks, 0.0).mean().item()
+    logged = retrieval(runs(1))
+    print(f"held-out retrieval: logged {logged}, recomputed mrr@10 {mrr:.4f}")
+    assert logged["retrieval_mrr@10"] == pytest.approx(mrr, abs=1e-9)
+    assert logged["retrieval_recall@1"] == pytest.approx((ranks == 1).double().mean().item())
+
+
 def test_two_towers_save_each_tower(runs):
     final = runs(1, *TWO_TOWERS) / "final"
     assert (final / "tower0" / "tokenizer.json").exists()
@@ -170,7 +201,7 @@ def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):
     [
         (("anchor",), "give at least two"),
         (("anchor", "anchor"), "names a column twice"),
-        (("anchor", "label"), "column 'label' holds int64, not text"),
+        (("anchor", "label"), "column 'label' holds int64: neither text"),
     ],
 )
 def test_bad_columns_are_refused_before_anything_loads(tmp_path, columns, message):

@@ -22,6 +22,7 @@ from contrastive_accelerate.data.sampler import derive_seed
 from contrastive_accelerate.data.sources import (
     DataError,
     ImageData,
+    evaluation_split,
     load_image_dataset,
     load_splits,
 )
@@ -46,7 +47,7 @@ class PairData:
     image_column: str | None = None  # image-text: which of ``columns`` is the image
     label_column: str | None = None
     evaluation: Any | None = None
-    evaluation_source: str = "evaluation: none for text pairs (retrieval metrics: not built yet)"
+    evaluation_source: str = "retrieval evaluation: off"
 
     @property
     def text_columns(self) -> tuple[str, ...]:
@@ -55,14 +56,18 @@ class PairData:
 
 def load_pair_dataset(
     name: str | None, columns: tuple[str, ...], *, config_name: str | None = None,
-    split: str = "train", image_column: str | None = None, **image_options,
+    split: str = "train", image_column: str | None = None, label_column: str | None = None,
+    eval_split: str = "auto", eval_holdout: float = 0.2, evaluate: bool = True,
 ) -> PairData:  # fmt: skip
     """The ``split`` of dataset ``name`` (any source ``load_image_dataset`` takes), with
     ``columns`` checked: at least two, present, each the image tower's (an ``Image``
     feature, or ``image_column``'s paths) or the text tower's (strings, or lists of
     strings: one drawn per (seed, epoch, index)). One image column makes it image-text,
-    loaded by ``load_image_dataset`` with ``image_options`` (labels, evaluation split);
-    ``name`` None is then the offline digits with captions made from their labels."""
+    loaded by ``load_image_dataset`` (labels, evaluation split); ``name`` None is then
+    the offline digits with captions made from their labels. With ``evaluate``, the
+    evaluation split is found or held out as ``load_image_dataset`` does."""
+    evaluation_options = {"eval_split": eval_split, "eval_holdout": eval_holdout,
+                          "evaluate": evaluate, "label_column": label_column}  # fmt: skip
     if len(columns) < 2:
         raise DataError(
             f"--columns {','.join(columns)}: give at least two (anchor,positive[,negative...])"
@@ -70,7 +75,7 @@ def load_pair_dataset(
     if len(set(columns)) != len(columns):
         raise DataError(f"--columns {','.join(columns)} names a column twice")
     if name is None:
-        return _digits_with_captions(columns, image_options)
+        return _digits_with_captions(columns, evaluation_options)
     splits = load_splits(name, config_name)
     if split not in splits:
         raise DataError(f"dataset {name!r} has no split {split!r} (splits: {', '.join(splits)})")
@@ -78,14 +83,23 @@ def load_pair_dataset(
     kinds = {column: _kind(train, column, image_column, name) for column in columns}
     images = [column for column, kind in kinds.items() if kind == "image"]
     if not images:
-        return PairData(train.select_columns(list(columns)), tuple(columns))
+        train = train.select_columns(list(columns))
+        evaluation, held_out = None, "off"
+        if evaluate:
+            train, evaluation, held_out = evaluation_split(
+                splits, split, train, eval_split, eval_holdout, name, "pairs"
+            )
+        if evaluation is not None:
+            evaluation = evaluation.select_columns(list(columns))
+        source = f"retrieval evaluation (MRR@10, recall@k): {held_out}"
+        return PairData(train, tuple(columns), evaluation=evaluation, evaluation_source=source)
     if len(images) > 1 or len(columns) != 2:
         raise DataError(
             f"--columns {','.join(columns)}: image-text pairs are one image column and one "
             f"text column (image columns: {', '.join(images)})"
         )
     data = load_image_dataset(
-        name, config_name=config_name, split=split, image_column=images[0], **image_options
+        name, config_name=config_name, split=split, image_column=images[0], **evaluation_options
     )
     return _image_text(data, columns)
 
@@ -112,7 +126,9 @@ def _kind(train, column: str, image_column: str | None, name: str) -> str:
 
 
 def _image_text(data: ImageData, columns: tuple[str, ...]) -> PairData:
-    source = data.evaluation_source.replace("kNN evaluation", "kNN and zero-shot evaluation")
+    source = data.evaluation_source.replace(
+        "kNN evaluation", "kNN, zero-shot and retrieval evaluation"
+    )
     return PairData(
         data.train, columns, data.image_column, data.label_column, data.evaluation, source
     )

@@ -88,34 +88,46 @@ def load_image_dataset(
     if evaluate and label_column is None:
         source = "kNN evaluation: off (the dataset has no label column; pass --label-column)"
     elif evaluate:
-        candidates = EVAL_SPLITS if eval_split == "auto" else (eval_split,)
-        found = next((s for s in candidates if s in splits and s != split), None)
-        if eval_split != "auto" and found is None:
-            raise DataError(
-                f"dataset {shown!r} has no evaluation split {eval_split!r} "
-                f"(splits: {', '.join(splits)})"
-            )
-        if found is not None:
-            evaluation = splits[found]
-            source = f"kNN evaluation: split {found!r} ({len(evaluation)} images)"
-        elif eval_holdout > 0 and len(train) >= 2:
-            # Seed 0, not --seed: the same images are held out whatever the run's seed.
-            held = train.train_test_split(test_size=eval_holdout, seed=0)
-            train, evaluation = held["train"], held["test"]
-            source = (
-                f"kNN evaluation: {len(evaluation)} images held out of split {split!r} "
-                f"(--eval-holdout {eval_holdout:g}); training on the other {len(train)}"
-            )
-        else:
-            source = (
-                f"kNN evaluation: off (no evaluation split and --eval-holdout {eval_holdout:g})"
-            )
+        train, evaluation, held_out = evaluation_split(
+            splits, split, train, eval_split, eval_holdout, shown, "images"
+        )
+        source = f"kNN evaluation: {held_out}"
         if evaluation is not None and label_column not in evaluation.column_names:
             raise DataError(f"evaluation split has no label column {label_column!r}")
     train = _undecoded(train, image_column, name)
     if evaluation is not None:
         evaluation = _undecoded(evaluation, image_column, name)
     return ImageData(train, evaluation, image_column, label_column, source)
+
+
+def evaluation_split(
+    splits: dict, split: str, train, eval_split: str, eval_holdout: float, shown: str, rows: str
+):
+    """``(train, evaluation, description)``: ``eval_split`` ("auto": the first of test /
+    validation / valid / val that exists), else ``eval_holdout`` of ``train`` held out
+    (seed 0, not --seed: the same rows whatever the run's seed), else no evaluation."""
+    candidates = EVAL_SPLITS if eval_split == "auto" else (eval_split,)
+    found = next((s for s in candidates if s in splits and s != split), None)
+    if eval_split != "auto" and found is None:
+        raise DataError(
+            f"dataset {shown!r} has no evaluation split {eval_split!r} "
+            f"(splits: {', '.join(splits)})"
+        )
+    if found is not None:
+        evaluation = splits[found]
+        return train, evaluation, f"split {found!r} ({len(evaluation)} {rows})"
+    if eval_holdout > 0 and len(train) >= 2:
+        held = train.train_test_split(test_size=eval_holdout, seed=0)
+        train, evaluation = held["train"], held["test"]
+        return (
+            train,
+            evaluation,
+            (
+                f"{len(evaluation)} {rows} held out of split {split!r} "
+                f"(--eval-holdout {eval_holdout:g}); training on the other {len(train)}"
+            ),
+        )
+    return train, None, f"off (no evaluation split and --eval-holdout {eval_holdout:g})"
 
 
 def load_splits(name: str | None, config_name: str | None):
