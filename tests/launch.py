@@ -38,6 +38,12 @@ def launch(
 def launch_command(
     num_processes: int, script: Path, *args: str, launcher_flags: list[str] | None = None
 ) -> list[str]:
+    """``accelerate launch`` on ``num_processes`` CPU processes; one process without
+    launcher flags runs ``python SCRIPT`` directly, which is what the launcher runs for
+    the single-process config (it sets nothing else): 2-3 s less per launch. Pass
+    ``launcher_flags=[]`` to go through the launcher anyway."""
+    if num_processes == 1 and launcher_flags is None:
+        return [sys.executable, str(script), *args]
     if num_processes == 1:
         launcher = ["--config_file", str(CONFIGS / "single_process.yaml")]
     else:
