@@ -290,3 +290,47 @@ def test_unreadable_and_unusual_images(tmp_path):
 def test_any_image_mode_becomes_three_channels(make):
     image = read_image(make(), 0)
     assert image.shape == (3, 4, 5) and image.dtype == torch.uint8
+
+
+def _duplicated_texts(count: int = 30, distinct: int = 30) -> list[tuple[int, ...]]:
+    """Each sample's two text ids, drawn from few distinct texts: duplicates abound."""
+    generator = torch.Generator().manual_seed(4)
+    return [
+        tuple(torch.randint(distinct, (2,), generator=generator).tolist()) for _ in range(count)
+    ]
+
+
+def _duplicates_in(batches, keys) -> int:
+    total = 0
+    for batch in batches:
+        texts = [text for index in batch.tolist() for text in set(keys[index])]
+        total += len(texts) - len(set(texts))
+    return total
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_no_duplicates_keeps_texts_apart_and_every_rank_agrees(epoch):
+    """With ``duplicate_keys`` no global batch holds a text twice while others are left
+    (the control, the plain sampler, does); every sample still comes once per epoch, the
+    batch sizes are the plain sampler's, and the ranks' shares concatenate to the
+    single-process batch on 1, 2 and 3 ranks."""
+    keys = _duplicated_texts()
+    plain = GlobalBatchSampler(len(keys), 6, epoch, seed=0)
+    sampler = GlobalBatchSampler(len(keys), 6, epoch, seed=0, duplicate_keys=keys)
+    batches, plain_batches = sampler.global_batches(), plain.global_batches()
+    print(f"duplicate texts in the epoch's batches: {_duplicates_in(batches, keys)}, "
+          f"plain sampler {_duplicates_in(plain_batches, keys)}")  # fmt: skip
+    assert _duplicates_in(plain_batches, keys) > 0
+    assert _duplicates_in(batches[:2], keys) == 0  # the first batches have the choice
+    assert _duplicates_in(batches, keys) < _duplicates_in(plain_batches, keys)
+    assert [len(b) for b in batches] == [len(b) for b in plain_batches]
+    assert sorted(torch.cat(batches).tolist()) == list(range(len(keys)))
+    for world_size in (2, 3):
+        shares = [
+            list(GlobalBatchSampler(len(keys), 6, epoch, seed=0, rank=rank,
+                                    world_size=world_size, duplicate_keys=keys))
+            for rank in range(world_size)
+        ]  # fmt: skip
+        for step, batch in enumerate(batches):
+            joined = [index for share in shares for _, index in share[step]]
+            assert joined == batch.tolist()

@@ -24,19 +24,22 @@ def train_loader(
     drop_last: bool,
     num_workers: int | None,
     padded_batches: bool = False,
+    duplicate_keys=None,
 ) -> tuple[DataLoader, GlobalBatchSampler]:
     """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
     the first batch. Its workers persist across epochs (safe: each item's randomness
     depends on its (epoch, index), not on the worker). ``num_workers`` None: one per
     spare core of this process's share of the machine, at most 4. ``padded_batches``:
     Accelerate's own sharding, whose ``even_batches`` pads a short last batch with
-    repeated samples (a negative control)."""
+    repeated samples (a negative control). ``duplicate_keys``: no global batch holds two
+    samples sharing a key (``sampler.without_duplicates``)."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     if padded_batches:  # Accelerate shards whole global batches itself
         rank, world_size = 0, 1
     sampler = GlobalBatchSampler(
-        len(dataset), batch_size, 0, seed, rank, world_size, drop_last=drop_last
-    )
+        len(dataset), batch_size, 0, seed, rank, world_size, drop_last=drop_last,
+        duplicate_keys=duplicate_keys,
+    )  # fmt: skip
     if num_workers is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))

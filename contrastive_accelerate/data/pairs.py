@@ -11,6 +11,7 @@ with its attention mask, which keeps the padding out of the result.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -161,6 +162,18 @@ def count_truncated(texts: list, tokenizer, max_length: int) -> tuple[int, int]:
     return sum(len(ids) > max_length for ids in lengths), len(flat)
 
 
+def text_keys(dataset, columns: Sequence[str]) -> list[tuple[int, ...]]:
+    """Each row's texts (every column, every caption of a list) as integer ids, equal
+    for equal texts: what ``GlobalBatchSampler(duplicate_keys=...)`` keeps apart."""
+    ids: dict[str, int] = {}
+    rows = zip(*(dataset[column] for column in columns), strict=True)
+    return [
+        tuple(ids.setdefault(text, len(ids)) for value in row
+              for text in ([value] if isinstance(value, str) else value))
+        for row in rows
+    ]  # fmt: skip
+
+
 class PairBatch(NamedTuple):
     """A rank's share of a global batch: each column's token ids and attention mask."""
 
@@ -194,6 +207,10 @@ class TextColumns(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def duplicate_keys(self) -> list[tuple[int, ...]]:
+        """Each row's texts as ids, for ``--no-duplicates``."""
+        return text_keys(self.dataset, self.columns)
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[list[list[int]], int]:
         epoch, index = item
@@ -278,6 +295,10 @@ class ImageCaptions(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def duplicate_keys(self) -> list[tuple[int, ...]]:
+        """Each row's captions as ids, for ``--no-duplicates``."""
+        return text_keys(self.dataset, (self.caption_column,))
 
     def __getitem__(self, item: tuple[int, int]):
         epoch, index = item

@@ -8,7 +8,8 @@ repeated as a false negative.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -31,6 +32,8 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
     ranks get the extra samples). ``start_batch`` skips batches already trained,
     for an exact mid-epoch resume. ``batch_size`` and ``drop_last`` are there for
     Accelerate's ``BatchSamplerShard``, which only the padded-batches control uses.
+    ``duplicate_keys`` (each sample's keys, e.g. its texts' ids): global batches are
+    reordered by ``without_duplicates``, from the global batch, so every rank agrees.
     """
 
     def __init__(
@@ -44,8 +47,10 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
         shuffle: bool = True,
         drop_last: bool = False,
         start_batch: int = 0,
+        duplicate_keys: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.dataset_size, self.global_batch_size = dataset_size, global_batch_size
+        self.duplicate_keys = duplicate_keys
         self.epoch, self.seed, self.shuffle, self.drop_last = epoch, seed, shuffle, drop_last
         self.rank, self.world_size, self.start_batch = rank, world_size, start_batch
         self.batch_size = global_batch_size
@@ -63,10 +68,11 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
             order = torch.randperm(self.dataset_size, generator=generator)
         else:
             order = torch.arange(self.dataset_size)
-        batches = order.split(self.global_batch_size)
-        return list(
-            batches[: batches_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)]
-        )
+        count = batches_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
+        batches = list(order.split(self.global_batch_size)[:count])
+        if self.duplicate_keys is not None:
+            batches = without_duplicates(batches, order.tolist(), self.duplicate_keys)
+        return batches
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for batch in self.global_batches()[self.start_batch :]:
@@ -85,6 +91,32 @@ class GlobalBatchSampler(Sampler[list[tuple[int, int]]]):
             batches_per_epoch(self.dataset_size, self.global_batch_size, self.drop_last)
             - self.start_batch,
         )
+
+
+def without_duplicates(
+    batches: list[torch.Tensor], order: list[int], keys: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """``batches`` of the same sizes refilled from ``order`` so that no batch holds two
+    samples that share a key (a text that would be a false negative), as
+    sentence-transformers' ``NoDuplicatesBatchSampler`` does: each batch takes the next
+    samples whose keys are new to it, and the ones it skips go first into the next
+    batch. Where no such sample is left, a batch is filled with skipped ones anyway
+    (the sizes are the epoch's, which resuming relies on)."""
+    remaining, refilled = deque(order), []
+    for size in (len(batch) for batch in batches):
+        batch, seen, skipped = [], set(), []
+        while remaining and len(batch) < size:
+            index = remaining.popleft()
+            if seen.isdisjoint(keys[index]):
+                batch.append(index)
+                seen.update(keys[index])
+            else:
+                skipped.append(index)
+        unavoidable = size - len(batch)  # duplicates, when nothing else is left
+        batch += skipped[:unavoidable]
+        remaining.extendleft(reversed(skipped[unavoidable:]))
+        refilled.append(torch.tensor(batch, dtype=torch.long))
+    return refilled
 
 
 def share_sizes(global_batch_size: int, world_size: int) -> list[int]:
