@@ -168,7 +168,7 @@ class TrainConfig:
     text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
     max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
     two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
-    no_duplicates: bool = option(False, "pairs: no text twice in a global batch")
+    unique_texts: bool = option(False, "pairs: no text twice in a global batch")
     projection_dim: int = option(0, "pairs: a linear projection's width; 0: none", at_least=0)
     mnrl_scale: float = option(
         20.0, "mnrl: similarity scale (1 / temperature)", resume="apply", above=0.0
@@ -454,7 +454,7 @@ def _train(
         drop_last=config.drop_last,
         num_workers=config.num_workers,
         padded_batches=config.data_sharding == "accelerate",
-        duplicate_keys=method.dataset.duplicate_keys() if config.no_duplicates else None,
+        duplicate_keys=method.dataset.duplicate_keys() if config.unique_texts else None,
     )
     progress = tqdm(
         total=total_steps,

@@ -1093,7 +1093,7 @@ TEXT_OPTIONS = (
     "text_pooling",
     "max_length",
     "two_towers",
-    "no_duplicates",
+    "unique_texts",
     "projection_dim",
     "mnrl_scale",
     "mnrl_symmetric",

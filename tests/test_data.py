@@ -309,7 +309,7 @@ def _duplicates_in(batches, keys) -> int:
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
-def test_no_duplicates_keeps_texts_apart_and_every_rank_agrees(epoch):
+def test_unique_texts_keeps_texts_apart_and_every_rank_agrees(epoch):
     """With ``duplicate_keys`` no global batch holds a text twice while others are left
     (the control, the plain sampler, does); every sample still comes once per epoch, the
     batch sizes are the plain sampler's, and the ranks' shares concatenate to the

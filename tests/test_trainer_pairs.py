@@ -28,7 +28,7 @@ COLUMNS = "anchor,positive,negative_1"
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-length", "8",
           "--log-every", "1", "--max-steps", "5", "--num-workers", "0"]  # fmt: skip
 TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", "--mnrl-symmetric",
-              "--no-duplicates"]  # fmt: skip
+              "--unique-texts"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

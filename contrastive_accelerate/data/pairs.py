@@ -209,7 +209,7 @@ class TextColumns(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def duplicate_keys(self) -> list[tuple[int, ...]]:
-        """Each row's texts as ids, for ``--no-duplicates``."""
+        """Each row's texts as ids, for ``--unique-texts``."""
         return text_keys(self.dataset, self.columns)
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[list[list[int]], int]:
@@ -297,7 +297,7 @@ class ImageCaptions(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def duplicate_keys(self) -> list[tuple[int, ...]]:
-        """Each row's captions as ids, for ``--no-duplicates``."""
+        """Each row's captions as ids, for ``--unique-texts``."""
         return text_keys(self.dataset, (self.caption_column,))
 
     def __getitem__(self, item: tuple[int, int]):
