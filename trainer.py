@@ -251,7 +251,7 @@ class TrainConfig:
         validate(self)
         if self.overwrite_output_dir and self.resume_from:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
-        method = self.method or ("pairs" if self.columns else "simclr")
+        method = self.chosen_method
         for name in METHOD_OPTIONS:
             default = next(f.default for f in dataclasses.fields(self) if f.name == name)
             if getattr(self, name) != default and name not in METHODS[method].options:
@@ -286,6 +286,11 @@ class TrainConfig:
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
             )
 
+    @property
+    def chosen_method(self) -> str:
+        """``--method``, or its default: pairs with ``--columns``, else simclr."""
+        return self.method or ("pairs" if self.columns else "simclr")
+
     @classmethod
     def from_saved(cls, values: dict) -> TrainConfig:
         """The options a checkpoint saved; those this version does not know are left out."""
@@ -296,7 +301,7 @@ class TrainConfig:
         """Every option left at None given its derived default: from the dataset (the
         digits are 8x8), the model, and the rows of ``LOSSES`` and ``METHODS``."""
         digits = self.dataset is None
-        method = self.method or ("pairs" if self.columns else "simclr")
+        method = self.chosen_method
         # Pairs: mnrl for text, infonce for image-text, which the data decide.
         loss = self.loss or ("ntxent" if method == "simclr" else None)
         derived = {
