@@ -36,9 +36,9 @@ class MultipleNegativesRankingLoss(nn.Module):
 
     Example::
 
-        criterion = MultipleNegativesRankingLoss(scale=20.0)  # model: models.text.TextPairModel
-        anchors, positives, negatives = model(0, **a), model(1, **p), model(2, **n)
-        loss = criterion(anchors, positives, negatives)
+        criterion = MultipleNegativesRankingLoss(scale=20.0)  # tower: models.text.TextTower
+        anchors, positives, negatives = (tower(ids, mask) for ids, mask in batch.columns)
+        loss = criterion(anchors, positives, negatives)  # batch: data.pairs.PairBatch
     """
 
     def __init__(

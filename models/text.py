@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from contrastive_accelerate.data.sources import first_line
 from models.dropout import SampleDropout, sample_randomness
 
 POOLINGS = ("cls", "mean")
@@ -51,9 +52,7 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
             name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
         )
     except Exception as error:  # transformers raises many types; the user needs one line
-        raise TextError(
-            f"cannot load --text-model {name_or_path!r}: {_first_line(error)}"
-        ) from None
+        raise TextError(f"cannot load --text-model {name_or_path!r}: {first_line(error)}") from None
     if getattr(encoder, "pooler", None) is not None:
         # Our pooling replaces BERT-style poolers: their weights would take no gradient,
         # which DDP refuses, and weight decay would still shrink them.
@@ -105,11 +104,6 @@ def scratch_text_encoder(texts: Sequence[str], max_length: int, dtype: torch.dty
     )
     encoder = transformers.BertModel(config, add_pooling_layer=False).to(dtype)
     return encoder, fast
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
 
 
 class TextTower(nn.Module):
