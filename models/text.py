@@ -197,14 +197,14 @@ class TextPairModel(nn.Module):
     def save_pretrained(self, directory: str) -> None:
         """``model.safetensors`` (every weight, as checkpoints hold them); each tower's
         encoder and tokenizer through ``save_pretrained`` in ``tower0/`` (and ``tower1/``),
-        which ``AutoModel`` and ``AutoTokenizer`` load; with one tower also a
-        sentence-transformers directory (``sentence_transformer/``: Transformer, Pooling,
-        Dense) when that package is installed."""
+        which ``AutoModel`` and ``AutoTokenizer`` load; and a sentence-transformers
+        directory (``sentence_transformer/``: Transformer, Pooling, Dense, and for two
+        towers a query/document ``Router``) when that package is installed."""
         save_towers(self, directory, self.towers, self.tokenizers, {"max_length": self.max_length})
-        if len(self.towers) == 1 and self.tokenizers:
+        if len(self.tokenizers) == len(self.towers):
             export_sentence_transformer(
-                self.towers[0],
-                os.path.join(directory, TOWER_DIR.format(0)),
+                self.towers,
+                [os.path.join(directory, TOWER_DIR.format(i)) for i in range(len(self.towers))],
                 os.path.join(directory, SENTENCE_TRANSFORMER_DIR),
                 self.max_length,
             )
@@ -284,32 +284,43 @@ def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: di
 
 
 def export_sentence_transformer(
-    tower: TextTower, tower_dir: str, directory: str, max_length: int | None
+    towers: Sequence[TextTower], tower_dirs: Sequence[str], directory: str, max_length: int | None
 ) -> bool:
-    """``tower`` as a ``SentenceTransformer`` saved in ``directory``: the encoder saved in
-    ``tower_dir``, its pooling, and the projection as a ``Dense`` without activation.
-    Returns False (and writes nothing) when sentence-transformers is not installed."""
+    """``towers`` as a ``SentenceTransformer`` saved in ``directory``: each encoder (saved
+    in its ``tower_dirs`` entry), its pooling and its projection as a ``Dense`` without
+    activation; two towers as a ``Router`` of the query (anchor) and document towers,
+    which ``encode_query`` and ``encode_document`` take. Returns False (and writes
+    nothing) when sentence-transformers is not installed."""
     try:
         from sentence_transformers import SentenceTransformer
-        from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
+        from sentence_transformers.sentence_transformer.modules import (
+            Dense,
+            Pooling,
+            Router,
+            Transformer,
+        )
     except ImportError:
         return False
-    hidden = tower.encoder.config.hidden_size
-    modules: list[nn.Module] = [
-        Transformer(tower_dir, max_seq_length=max_length),
-        Pooling(hidden, pooling_mode=tower.pooling),
-    ]
-    if tower.projection is not None:
-        modules.append(
-            Dense(
-                hidden,
-                tower.projection.out_features,
-                activation_function=nn.Identity(),
-                init_weight=tower.projection.weight.detach().clone(),
-                init_bias=tower.projection.bias.detach().clone(),
+
+    def modules(tower: TextTower, path: str) -> list[nn.Module]:
+        hidden = tower.encoder.config.hidden_size
+        stack = [Transformer(path, max_seq_length=max_length), Pooling(hidden, tower.pooling)]
+        if tower.projection is not None:
+            stack.append(
+                Dense(
+                    hidden,
+                    tower.projection.out_features,
+                    activation_function=nn.Identity(),
+                    init_weight=tower.projection.weight.detach().clone(),
+                    init_bias=tower.projection.bias.detach().clone(),
+                )
             )
-        )
-    SentenceTransformer(modules=modules, device="cpu").save(directory)
+        return stack
+
+    stacks = [modules(tower, path) for tower, path in zip(towers, tower_dirs, strict=True)]
+    if len(stacks) == 2:
+        stacks = [[Router.for_query_document(query_modules=stacks[0], document_modules=stacks[1])]]
+    SentenceTransformer(modules=stacks[0], device="cpu").save(directory)
     return True
 
 

@@ -63,8 +63,15 @@ def difference(a: Path, b: Path) -> float:
 
 @pytest.mark.parametrize(
     "flags, processes",
-    [((), 2), ((), 3), (("--accumulation-chunks", "3"), 3), (SIGLIP, 3)],
-    ids=["infonce-W2", "infonce-W3", "infonce-W3-K3", "siglip-W3"],
+    [
+        ((), 2),
+        ((), 3),
+        (("--accumulation-chunks", "3"), 3),
+        (SIGLIP, 2),
+        (SIGLIP, 3),
+        ((*SIGLIP, "--accumulation-chunks", "3"), 2),
+    ],
+    ids=["infonce-W2", "infonce-W3", "infonce-W3-K3", "siglip-W2", "siglip-W3", "siglip-W2-K3"],
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
     reference = runs(1, *(f for f in flags if f not in ("--accumulation-chunks", "3")))

@@ -70,9 +70,11 @@ def difference(a: Path, b: Path) -> float:
         ((), 2),
         ((), 3),
         (("--accumulation-chunks", "3"), 2),
+        (TWO_TOWERS, 2),
         (TWO_TOWERS, 3),
+        ((*TWO_TOWERS, "--accumulation-chunks", "3"), 3),
     ],
-    ids=["W2", "W3", "W2-K3", "two-towers-W3"],
+    ids=["W2", "W3", "W2-K3", "two-towers-W2", "two-towers-W3", "two-towers-W3-K3"],
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
     reference = runs(1, *(f for f in flags if f not in ("--accumulation-chunks", "3")))
@@ -173,11 +175,41 @@ def test_the_logged_retrieval_is_what_the_final_towers_give(runs, data):
     assert logged["retrieval_recall@1"] == pytest.approx((ranks == 1).double().mean().item())
 
 
-def test_two_towers_save_each_tower(runs):
+def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(runs):
+    """tower0/ and tower1/ with their projections in config.json, and
+    sentence_transformer/ as a query/document Router whose encode_query and
+    encode_document embed as our two towers do (its Dense layers hold float32 weights:
+    1e-6)."""
+    from sentence_transformers import SentenceTransformer
+
+    from models.text import TextPairModel, TextTower, load_text_encoder
+
     final = runs(1, *TWO_TOWERS) / "final"
     assert (final / "tower0" / "tokenizer.json").exists()
     assert (final / "tower1" / "model.safetensors").exists()
     assert json.loads((final / "config.json").read_text())["towers"][1]["projection"] == 8
+    towers, tokenizer = [], None
+    for index in range(2):
+        encoder, tokenizer = load_text_encoder(str(final / f"tower{index}"), torch.float64)
+        towers.append(TextTower(encoder, "cls", 8))
+    ours = TextPairModel(towers).double()
+    ours.load_state_dict(load_file(final / "model.safetensors"))
+    ours.eval()
+    st = SentenceTransformer(str(final / "sentence_transformer"), device="cpu").double()
+    texts = ["red cat runs", "the quick dog jumps over a stone near the river"]
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=8, return_tensors="pt")
+    with torch.no_grad():
+        query, document = (ours.towers[i](tokens["input_ids"], tokens["attention_mask"])
+                           for i in (0, 1))  # fmt: skip
+    errors = (
+        (st.encode_query(texts, convert_to_tensor=True) - query).abs().max().item(),
+        (st.encode_document(texts, convert_to_tensor=True) - document).abs().max().item(),
+    )
+    print(
+        f"two towers through SentenceTransformer: query {errors[0]:.1e}, document {errors[1]:.1e}"
+    )
+    assert max(errors) <= 1e-6
+    assert (query - document).abs().max().item() > 1e-3  # the towers differ: the routes matter
 
 
 @pytest.mark.parametrize(
@@ -185,8 +217,9 @@ def test_two_towers_save_each_tower(runs):
     [
         (["--columns", "anchor,answer"], "has no column 'answer'"),
         ("no-pad", "has no pad token"),
+        (["--columns", "anchor,positive", "--image-column", "anchor"], "cannot be read"),
     ],
-    ids=["missing-column", "tokenizer-without-pad-token"],
+    ids=["missing-column", "tokenizer-without-pad-token", "text-column-as-the-image-tower"],
 )
 def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):
     model = data["no_pad"] if flags == "no-pad" else data["model"]
