@@ -8,7 +8,8 @@
   ``MultipleNegativesRankingLoss`` on ``tokenize``d columns: what
   ``SentenceTransformerTrainer.compute_loss`` runs, without the HF Trainer around it).
 
-One process, the mlp image tower on the digits with captions and the scratch BERT,
+One process, the mlp image tower (and ResNet-18) on the digits with captions and the
+scratch BERT,
 Python's documentation pairs for text, global batch 64. Steps are interleaved round by
 round in one process (median over rounds); extra peak memory is one step's in a fresh
 process each (``VmHWM`` - ``VmRSS`` before it), ours at K = 1, 2 and 4 chunks.
@@ -40,9 +41,11 @@ BATCH = 64
 
 def _method(kind: str, chunks: int = 1, dropout_masks: str = "per-sample"):
     """The method, its optimizer and one batch of ``BATCH`` rows (``dropout_masks``
-    "per-process": torch's ``nn.Dropout``, as the peers' loops have)."""
-    if kind == "image-text":
-        options = {"columns": "image,caption", "model": "mlp", "knn_k": 0}
+    "per-process": torch's ``nn.Dropout``, as the peers' loops have). ``kind``
+    "image-text" has the mlp image tower, "image-text-resnet18" ResNet-18."""
+    if kind.startswith("image-text"):
+        model = "resnet18" if kind.endswith("resnet18") else "mlp"
+        options = {"columns": "image,caption", "model": model, "knn_k": 0}
     else:
         path = tempfile.mkdtemp() + "/python_docs.jsonl"
         with open(path, "w") as file:
@@ -128,11 +131,12 @@ def _step_function(name: str):
     if who == "ours":
         method, optimizer, batch = _method(kind, int(chunks))
         return partial(_ours, method, optimizer, batch, int(chunks))
-    return _open_clip(kind) if kind == "image-text" else _sentence_transformers()
+    return _open_clip(kind) if kind.startswith("image-text") else _sentence_transformers()
 
 
 PAIRS = {
     "image-text": ("image-text:ours:1", "image-text:open_clip:1"),
+    "image-text-resnet18": ("image-text-resnet18:ours:1", "image-text-resnet18:open_clip:1"),
     "text-text": ("text-text:ours:1", "text-text:sentence-transformers:1"),
 }
 
