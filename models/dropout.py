@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -30,12 +31,15 @@ from torchvision.ops import StochasticDepth
 
 from contrastive_accelerate.compat import DropoutBase
 
-_ROW_KEYS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
-    "sample_dropout_row_keys", default=None
+# The keys of the enclosing ``sample_randomness`` block and their int32 codes, computed
+# once for the block's dropout layers.
+_ROW_KEYS: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = (
+    contextvars.ContextVar("sample_dropout_row_keys", default=None)
 )
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive salts and seeds
 _MASK32 = 0xFFFFFFFF
 CPU_BLOCK_ELEMENTS = 1 << 20  # 4 MiB of int32 scratch per pass
+T = TypeVar("T", int, torch.Tensor)
 
 
 @contextmanager
@@ -43,7 +47,7 @@ def sample_randomness(keys: torch.Tensor) -> Iterator[None]:
     """Every ``SampleDropout`` that runs inside this block keys row ``b`` of its input by
     ``keys[b]`` (one integer per row, e.g. from ``sample_keys``). Thread- and
     task-local, so a model's ``forward`` signature stays as it is."""
-    token = _ROW_KEYS.set(keys)
+    token = _ROW_KEYS.set((keys, _row_codes(keys)))
     try:
         yield
     finally:
@@ -53,8 +57,8 @@ def sample_randomness(keys: torch.Tensor) -> Iterator[None]:
 def sample_keys(seed: int, step: int, indices: torch.Tensor, view: int = 0) -> torch.Tensor:
     """One 32-bit key per sample from (seed, step, the sample's dataset index, view):
     independent of the process, the rank's share and the chunk the sample lands in."""
-    key = torch.full_like(indices, seed & _MASK32, dtype=torch.int64)
-    for value in (step, view):
+    key = seed & _MASK32
+    for value in (step, view):  # the same for every sample: hashed once, on the host
         key = lowbias32(key ^ (value * _GOLDEN & _MASK32))
     return lowbias32(key ^ (indices.to(torch.int64) & _MASK32))
 
@@ -73,6 +77,9 @@ class SampleDropout(nn.Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p, self.salt = p, salt
+        # Position j's code depends on (j, salt) only, so one computed for the longest row so
+        # far serves every shorter one as a prefix: an int32 per element of one row.
+        self._position_codes: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return f"p={self.p}, salt={self.salt}"
@@ -80,13 +87,11 @@ class SampleDropout(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
-        keep = self.mask(self.row_keys(input), input.shape)
-        # The bool mask is what autograd keeps for backward, as nn.Dropout's does.
-        return (input * keep).mul_(1.0 / (1.0 - self.p))
+        return self.dropped(input, input.shape)
 
     def row_keys(self, input: torch.Tensor) -> torch.Tensor:
         """The keys of ``input``'s rows, from the enclosing ``sample_randomness``."""
-        keys = _ROW_KEYS.get()
+        keys, _ = _ROW_KEYS.get() or (None, None)
         if keys is None:
             raise RuntimeError(
                 f"{type(self).__name__} needs each row's key: run the forward inside "
@@ -99,15 +104,31 @@ class SampleDropout(nn.Module):
             )
         return keys.to(input.device)
 
-    def mask(self, keys: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The bool keep-mask of a batch of ``shape`` whose rows have ``keys``."""
+    def dropped(self, input: torch.Tensor, mask_shape: torch.Size) -> torch.Tensor:
+        """``input * keep / (1 - p)`` with the keep-mask of ``mask_shape`` (broadcast), and
+        for backward what torch's own dropout keeps on the device: on a CPU, a mask in the
+        input's dtype (a bool operand of a product is cast element by element: 2x slower
+        forward and backward), carrying the scale where that rounds as ``mul_``'s scalar
+        does; elsewhere the bool mask, a quarter of float32's memory. The same bits each way."""
+        keys, scale = self.row_keys(input), 1.0 / (1.0 - self.p)
+        if input.device.type != "cpu":
+            return (input * self.mask(keys, mask_shape)).mul_(scale)
+        keep = self.mask(keys, mask_shape, dtype=input.dtype)
+        if input.dtype in (torch.float32, torch.float64):
+            return input * keep.mul_(scale)
+        return (input * keep).mul_(scale)
+
+    def mask(
+        self, keys: torch.Tensor, shape: torch.Size, dtype: torch.dtype = torch.bool
+    ) -> torch.Tensor:
+        """The keep-mask (1 kept, 0 dropped) of a batch of ``shape`` whose rows have ``keys``."""
         rows, per_row = shape[0], shape[1:].numel()
-        positions = torch.arange(per_row, device=keys.device, dtype=torch.int64)
-        position_codes = as_int32(lowbias32((positions + self.salt * _GOLDEN) & _MASK32))
-        row_codes = as_int32(keys & _MASK32)
+        position_codes = self.position_codes(per_row, keys.device)
+        block_keys, block_codes = _ROW_KEYS.get() or (None, None)
+        row_codes = block_codes if keys is block_keys else _row_codes(keys)
         # bits are uniform over int32: P(bits < threshold) = p.
         threshold = round(self.p * 2**32) - 2**31
-        keep = torch.empty(rows, per_row, dtype=torch.bool, device=keys.device)
+        keep = torch.empty(rows, per_row, dtype=dtype, device=keys.device)
         # On a CPU, blocks of rows whose int32 scratch stays in cache: 4x to 20x faster
         # than one pass over a large activation; a GPU takes the whole batch at once.
         block = max(1, CPU_BLOCK_ELEMENTS // per_row) if keys.device.type == "cpu" else rows
@@ -118,9 +139,29 @@ class SampleDropout(nn.Module):
             torch.bitwise_xor(
                 row_codes[start : start + count, None], position_codes, out=bits[:count]
             )
-            lowbias32_int32_(bits[:count], scratch[:count])
+            lowbias32_int32_(bits[:count], scratch[:count], premixed=True)
             torch.ge(bits[:count], threshold, out=keep[start : start + count])
         return keep.view(shape)
+
+    def position_codes(self, count: int, device: torch.device) -> torch.Tensor:
+        """``premix(hash(j + salt))`` as int32 for positions ``j < count``, from the cache."""
+        codes = self._position_codes
+        if codes is None or len(codes) < count or codes.device != device:
+            positions = torch.arange(count, device=device, dtype=torch.int64)
+            codes = as_int32(_premix(lowbias32((positions + self.salt * _GOLDEN) & _MASK32)))
+            self._position_codes = codes
+        return codes[:count]
+
+
+def _premix(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32's first round, ``x ^ (x >> 16)``, of int64 values in [0, 2**32). It
+    distributes over XOR, so the mask's ``hash(row ^ position)`` takes it on the row and
+    position codes apart (n + m values) rather than on their n x m combinations."""
+    return x ^ (x >> 16)
+
+
+def _row_codes(keys: torch.Tensor) -> torch.Tensor:
+    return as_int32(_premix(keys & _MASK32))
 
 
 class SampleDropPath(SampleDropout):
@@ -131,9 +172,7 @@ class SampleDropPath(SampleDropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
-        row_shape = (input.shape[0],) + (1,) * (input.dim() - 1)
-        keep = self.mask(self.row_keys(input), torch.Size(row_shape))
-        return (input * keep).mul_(1.0 / (1.0 - self.p))
+        return self.dropped(input, torch.Size((input.shape[0],) + (1,) * (input.dim() - 1)))
 
 
 def convert_sample_dropout(module: nn.Module) -> nn.Module:
@@ -172,8 +211,9 @@ def convert_sample_dropout(module: nn.Module) -> nn.Module:
     return convert(module)
 
 
-def lowbias32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2**32)."""
+def lowbias32(x: T) -> T:
+    """A 32-bit integer hash (Wellons' lowbias32) of values in [0, 2**32): a Python int or
+    an int64 tensor."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32  # the product fits in 64 unsigned bits; the low 32 are kept
     x = x ^ (x >> 15)
@@ -181,13 +221,16 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def lowbias32_int32_(x: torch.Tensor, scratch: torch.Tensor) -> None:
+def lowbias32_int32_(x: torch.Tensor, scratch: torch.Tensor, *, premixed: bool = False) -> None:
     """The same hash, in place on int32 tensors (a quarter of the memory traffic of int64
-    with temporaries): multiplication wraps modulo 2**32, and masks make the shifts logical."""
-    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B - 2**32), (16, None)):
-        torch.bitwise_right_shift(x, shift, out=scratch)
-        scratch &= (1 << (32 - shift)) - 1
-        x ^= scratch
+    with temporaries): multiplication wraps modulo 2**32, and masks make the shifts logical.
+    ``premixed``: ``x`` has had the first round, ``x ^ (x >> 16)``, already."""
+    rounds = ((16, 0x7FEB352D), (15, 0x846CA68B - 2**32), (16, None))
+    for index, (shift, multiplier) in enumerate(rounds):
+        if not (premixed and index == 0):
+            torch.bitwise_right_shift(x, shift, out=scratch)
+            scratch &= (1 << (32 - shift)) - 1
+            x ^= scratch
         if multiplier is not None:
             x *= multiplier
 
