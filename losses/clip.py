@@ -9,7 +9,13 @@ from torch.utils.checkpoint import checkpoint
 
 from contrastive_accelerate import collectives
 from losses.inputs import check_batch, require_global_batch
-from losses.logsumexp import DENSE_MAX_BYTES, auto_tile_rows, softplus, tiled_logsumexp
+from losses.logsumexp import (
+    DENSE_MAX_BYTES,
+    auto_tile_rows,
+    cross_entropy,
+    softplus,
+    tiled_logsumexp,
+)
 from losses.precision import autocast_off, compute_dtype, matmul
 
 
@@ -29,8 +35,9 @@ class InfoNCELoss(nn.Module):
              = 1/(2N) * sum_i [ log sum_j exp(l_ij) + log sum_j exp(l_ji) - 2 l_ii ]
              = 1/(2N) * sum_i [ softplus(log sum_{j != i} exp(l_ij) - l_ii) + (the same for l_ji) ]
 
-    The last form is what is computed: each term is never negative and stays exact near
-    0, where a well-trained CLIP sits (the middle form subtracts nearly equal values).
+    Each term is computed never negative and exact near 0, where a well-trained CLIP
+    sits (the middle form subtracts nearly equal values): by ``cross_entropy`` (of
+    ``losses.logsumexp``) on the logits in one tile, and as the last form in several.
 
     On one process this is open_clip's ``ClipLoss``. Each rank computes its own rows
     of both directions against the gathered columns of the other tower, with
@@ -82,12 +89,16 @@ class InfoNCELoss(nn.Module):
             tile_rows = self.tile_rows or auto_tile_rows(
                 len(f0), len(keys0), f0, self.dense_max_bytes
             )
-            rows = torch.arange(len(f0), device=f0.device)
-            own = (sum(sizes[:rank]) + rows)[:, None]  # each row's positive column
-            negatives0 = tiled_logsumexp(scale * f0, keys1, own, tile_rows)
-            negatives1 = tiled_logsumexp(scale * f1, keys0, own, tile_rows)
-            positive = scale * (f0 * f1).sum(dim=1)
-            terms = softplus(negatives0 - positive) + softplus(negatives1 - positive)
+            offset = sum(sizes[:rank])
+            own = torch.arange(offset, offset + len(f0), device=f0.device)[:, None]  # positives
+            if tile_rows >= len(f0):  # one tile: the logits, as open_clip has them
+                terms = cross_entropy(scale * f0, keys1, own)
+                terms = terms + cross_entropy(scale * f1, keys0, own)
+            else:
+                negatives0 = tiled_logsumexp(scale * f0, keys1, own, tile_rows)
+                negatives1 = tiled_logsumexp(scale * f1, keys0, own, tile_rows)
+                positive = scale * (f0 * f1).sum(dim=1)
+                terms = softplus(negatives0 - positive) + softplus(negatives1 - positive)
             return terms.sum() * (world_size / (2 * sum(sizes)))
 
 

@@ -155,6 +155,7 @@ CASES = {
     "infonce": Case(
         lambda: InfoNCELoss(), references.infonce, extra="scale", controls=GATHER_CONTROLS
     ),
+    "infonce_tiled": Case(lambda: InfoNCELoss(tile_rows=2), references.infonce, extra="scale"),
     "siglip": Case(
         lambda: SigLIPLoss(), references.siglip, extra="scale_bias", controls=GATHER_CONTROLS
     ),

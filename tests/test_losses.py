@@ -23,6 +23,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from contrastive_accelerate.testing import run_on_ranks
 from losses import (
@@ -35,7 +36,7 @@ from losses import (
     SigLIPLoss,
     SupConLoss,
 )
-from losses.logsumexp import tiled_logsumexp
+from losses.logsumexp import cross_entropy, tiled_logsumexp
 
 from loss_cases import (
     CASES,
@@ -331,13 +332,46 @@ def test_values_near_zero_stay_exact_in_float32_and_never_negative(name, noise):
 
 
 def test_control_the_subtractive_form_reads_negative_near_zero():
-    """``log sum_j exp(l_ij) - l_ii`` (open_clip's, and ours before): the rows' float32
+    """``log sum_j exp(l_ij) - l_ii``, the positive apart (ours before): the rows' float32
     rounding (~1e-5 at scale 100) swamps a loss of 1e-24 and some rows go negative."""
     f0, f1 = (f.float() for f in _aligned_pairs(0.01))
     rows = tiled_logsumexp(100 * f0, f1) - 100 * (f0 * f1).sum(dim=1)
     print(f"subtractive form: row minimum {rows.min().item():.1e}, mean {rows.mean().item():.1e}")
     assert rows.min().item() < 0
     assert abs(rows.mean().item()) > 1e6 * InfoNCELoss()(*_aligned_pairs(0.01), 100.0).item()
+
+
+def test_cross_entropy_equals_torch_in_value_and_gradient():
+    """Float64 logits spread over +-60, where the targets' probabilities range from ~0 to
+    ~1: the same values and logit gradients as ``F.cross_entropy``; only rounding differs."""
+    generator = torch.Generator().manual_seed(1)
+    queries = (6 * torch.randn(12, 5, generator=generator, dtype=torch.float64)).requires_grad_()
+    keys = torch.randn(9, 5, generator=generator, dtype=torch.float64).requires_grad_()
+    targets = torch.randint(0, 9, (12, 1), generator=generator)
+    weights = torch.rand(12, generator=generator, dtype=torch.float64)
+    ours = cross_entropy(queries, keys, targets)
+    theirs = F.cross_entropy(queries @ keys.T, targets[:, 0], reduction="none")
+    ours_grads, their_grads = (
+        torch.autograd.grad((v * weights).sum(), (queries, keys)) for v in (ours, theirs)
+    )
+    value = (ours - theirs).abs().max().item()
+    gradient = max((a - b).abs().max().item() for a, b in zip(ours_grads, their_grads, strict=True))
+    print(f"cross_entropy vs F.cross_entropy: values {value:.1e}, gradients {gradient:.1e}")
+    assert value <= EXACT and gradient <= EXACT
+    assert torch.autograd.gradcheck(lambda q, k: cross_entropy(q, k, targets), (queries, keys))
+
+
+def test_control_torch_cross_entropy_reads_zero_near_zero():
+    """Where ``InfoNCELoss`` is exact near 0 (the test above), ``F.cross_entropy`` of the
+    same float32 logits, open_clip's and transformers' loss, reads 0: ``log(1 + eps)``
+    rounds to 0 below eps = 6e-8."""
+    f0, f1 = (f.float() for f in _aligned_pairs(0.01))
+    logits, own = 100 * f0 @ f1.T, torch.arange(len(f0))
+    reference = NEAR_ZERO["infonce"](*_aligned_pairs(0.01)).item()
+    theirs = (F.cross_entropy(logits, own) + F.cross_entropy(logits.T, own)).item() / 2
+    ours = cross_entropy(100 * f0, f1, own[:, None]).mean().item()
+    print(f"near 0: float64 {reference:.3e}, F.cross_entropy {theirs:.3e}, ours {ours:.3e}")
+    assert theirs == 0.0 < reference
 
 
 def test_infonce_equals_transformers_clip_loss():
