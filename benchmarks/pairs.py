@@ -67,7 +67,7 @@ def _ours(method, optimizer, batch, chunks: int = 1) -> None:
     cached_backward(
         method.model,
         batch.split(chunks),
-        partial(method.loss, batch=batch, sizes=None, step=0),
+        partial(method.loss, batch=batch, sizes=[len(batch.indices)], step=0),  # as the trainer
         forward=partial(method.embed, method.model, step=0),
     )
     optimizer.step()

@@ -273,6 +273,8 @@ def embed_two_views(
 
 def _view_halves(outputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every chunk's view-0 rows, then every chunk's view-1 rows."""
+    if len(outputs) == 1:  # no copy
+        return outputs[0].tensor_split(2)
     z0 = torch.cat([output[: len(output) // 2] for output in outputs])
     z1 = torch.cat([output[len(output) // 2 :] for output in outputs])
     return z0, z1
