@@ -3,16 +3,16 @@
 - image-text: ``ImageTextMethod``'s step (its embed and InfoNCE through ``cached_backward``,
   AdamW) against a hand-written open_clip loop on the same image and text towers
   (``ClipLoss(local_loss=True, gather_with_grad=True)``, one forward per tower);
-- text-text: ``TextPairsMethod``'s step against sentence-transformers' training step on
-  the same tower (a ``SentenceTransformer`` of its Transformer and Pooling modules, its
-  ``MultipleNegativesRankingLoss`` on ``tokenize``d columns: what
-  ``SentenceTransformerTrainer.compute_loss`` runs, without the HF Trainer around it).
+- text-text: ``TextPairsMethod``'s step against sentence-transformers on the same tower
+  (a ``SentenceTransformer`` of its Transformer and Pooling modules): its
+  ``SentenceTransformerTrainer`` with ``MultipleNegativesRankingLoss``, one optimizer step
+  at a time, and that loss's step alone (``compute_loss`` on ``tokenize``d columns, AdamW).
 
 One process, the mlp image tower (and ResNet-18) on the digits with captions and the
-scratch BERT,
-Python's documentation pairs for text, global batch 64. Steps are interleaved round by
-round in one process (median over rounds); extra peak memory is one step's in a fresh
-process each (``VmHWM`` - ``VmRSS`` before it), ours at K = 1, 2 and 4 chunks.
+scratch BERT, Python's documentation pairs for text, global batch 64. Steps are
+interleaved round by round in one process (median over rounds); extra peak memory is
+one step's in a fresh process each (``VmHWM`` - ``VmRSS`` before it), ours at K = 1, 2
+and 4 chunks.
 
     python -m benchmarks.pairs            # ~3 min on 2 cores
     python -m benchmarks.pairs --quick    # smoke: 3 rounds
@@ -98,21 +98,28 @@ def _open_clip(kind: str):
     return step
 
 
-def _sentence_transformers():
-    """A step of sentence-transformers' MNRL on our tower, saved and loaded as theirs."""
+def _sentence_transformer(method) -> object:
+    """Our text tower, saved and loaded as sentence-transformers' Transformer and Pooling."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
-    method, _, _ = _method("text-text")
     directory = tempfile.mkdtemp()
     method.model.towers[0].encoder.save_pretrained(directory)
     method.model.tokenizers[0].save_pretrained(directory)
-    model = SentenceTransformer(
+    return SentenceTransformer(
         modules=[Transformer(directory, max_seq_length=64),
                  Pooling(method.model.towers[0].encoder.config.hidden_size, "mean")],
         device="cpu",
     ).train()  # fmt: skip
+
+
+def _sentence_transformers_loss():
+    """A step of sentence-transformers' MNRL on our tower: ``compute_loss`` on ``tokenize``d
+    columns and AdamW, without the HF Trainer around it."""
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    method, _, _ = _method("text-text")
+    model = _sentence_transformer(method)
     rows = python_docs_pairs()[:BATCH]
     features = [model.tokenize([row[c] for row in rows]) for c in ("anchor", "positive")]
     criterion = MultipleNegativesRankingLoss(model, scale=20.0)
@@ -126,18 +133,82 @@ def _sentence_transformers():
     return step
 
 
+def _sentence_transformers_trainer():
+    """One optimizer step at a time of ``SentenceTransformerTrainer`` with MNRL on our tower
+    (AdamW at a constant 1e-3, no gradient clipping: ours clips none). Its ``train()``
+    runs in a thread that waits at each ``on_step_begin``; a step returns the trainer's
+    own time from ``on_step_begin`` to ``on_step_end``, which leaves out its batch
+    fetching and tokenization, done before, as ours leaves out its data loading."""
+    import threading
+
+    from datasets import Dataset
+    from sentence_transformers import (
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from transformers import TrainerCallback
+
+    method, _, _ = _method("text-text")
+    model = _sentence_transformer(method)
+    rows = [{"anchor": row["anchor"], "positive": row["positive"]} for row in python_docs_pairs()]
+    go, done, seconds = threading.Semaphore(0), threading.Semaphore(0), []
+
+    class OneStepAtATime(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            ready.set()
+            go.acquire()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds.append(time.perf_counter() - self.started)
+            done.release()
+
+    arguments = SentenceTransformerTrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH, max_steps=10**6,
+        learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=0.0,
+        dataloader_drop_last=True, logging_strategy="no", save_strategy="no",
+        report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+    )  # fmt: skip
+    trainer = SentenceTransformerTrainer(
+        model=model,
+        args=arguments,
+        train_dataset=Dataset.from_list(rows),
+        loss=MultipleNegativesRankingLoss(model, scale=20.0),
+        callbacks=[OneStepAtATime()],
+    )
+    ready = threading.Event()
+    threading.Thread(target=trainer.train, daemon=True).start()
+    ready.wait()  # set up, its first batch fetched
+
+    def step() -> float:
+        go.release()
+        done.acquire()
+        return seconds[-1]
+
+    return step
+
+
 def _step_function(name: str):
     kind, who, chunks = name.split(":")
     if who == "ours":
         method, optimizer, batch = _method(kind, int(chunks))
         return partial(_ours, method, optimizer, batch, int(chunks))
-    return _open_clip(kind) if kind.startswith("image-text") else _sentence_transformers()
+    if kind.startswith("image-text"):
+        return _open_clip(kind)
+    return _sentence_transformers_trainer() if who == "trainer" else _sentence_transformers_loss()
 
 
 PAIRS = {
     "image-text": ("image-text:ours:1", "image-text:open_clip:1"),
     "image-text-resnet18": ("image-text-resnet18:ours:1", "image-text-resnet18:open_clip:1"),
-    "text-text": ("text-text:ours:1", "text-text:sentence-transformers:1"),
+    "text-text": ("text-text:ours:1", "text-text:trainer:1"),
+    "text-text, against the loss step": ("text-text:ours:1", "text-text:loss-step:1"),
+}
+PEERS = {
+    "open_clip": "a hand-written open_clip loop",
+    "trainer": "SentenceTransformerTrainer",
+    "loss-step": "sentence-transformers' MNRL step without the HF Trainer",
 }
 
 
@@ -150,8 +221,8 @@ def step_times(rounds: int) -> dict[str, float]:
     for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
+            own_time = step()  # a step that times itself returns its seconds
+            seconds[name].append(own_time or time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
@@ -169,19 +240,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds, one memory run each")
     args = parser.parse_args()
     times = step_times(3 if args.quick else 15)
-    memory_names = [*(n for pair in PAIRS.values() for n in pair),
-                    *(f"{kind}:ours:{k}" for kind in PAIRS for k in (2, 4))]  # fmt: skip
+    kinds = list(dict.fromkeys(ours.split(":")[0] for ours, _ in PAIRS.values()))
+    memory_names = [*dict.fromkeys(n for pair in PAIRS.values() for n in pair),
+                    *(f"{kind}:ours:{k}" for kind in kinds for k in (2, 4))]  # fmt: skip
     memory = {name: in_fresh_process("benchmarks.pairs", "measure_memory", name, timeout=600)
               for name in memory_names}  # fmt: skip
     print("| pairs | ours (ms) | peer | peer (ms) | time ratio | extra peak, ours / peer (MiB) |")
     print("|---|---|---|---|---|---|")
     for kind, (ours, peer) in PAIRS.items():
         mib = [memory[n].get("extra_peak_bytes", float("nan")) / 2**20 for n in (ours, peer)]
-        print(f"| {kind} | {times[ours] * 1e3:.1f} | {peer.split(':')[1]} | "
+        print(f"| {kind} | {times[ours] * 1e3:.1f} | {PEERS[peer.split(':')[1]]} | "
               f"{times[peer] * 1e3:.1f} | {times[ours] / times[peer]:.2f} | "
               f"{mib[0]:.1f} / {mib[1]:.1f} |")  # fmt: skip
     print("\n| pairs | extra peak at K = 1 / 2 / 4 chunks (MiB) |\n|---|---|")
-    for kind in PAIRS:
+    for kind in kinds:
         values = [memory[f"{kind}:ours:{k}"].get("extra_peak_bytes", float("nan")) / 2**20
                   for k in (1, 2, 4)]  # fmt: skip
         print(f"| {kind} | {' / '.join(f'{v:.1f}' for v in values)} |")
