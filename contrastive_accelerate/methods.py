@@ -49,6 +49,7 @@ from torch import nn
 
 from contrastive_accelerate import collectives
 from contrastive_accelerate.collectives import is_distributed
+from contrastive_accelerate.config import flag
 from contrastive_accelerate.data import (
     MultiCrop,
     MultiCropBatch,
@@ -693,6 +694,7 @@ class TextPairsMethod:
 
         if (config.loss or "mnrl") != "mnrl":
             raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl")
+        refuse_image_options(config)
         self.seed = config.seed
         dtype = DTYPES[config.dtype]
         towers, tokenizers = [], []
@@ -988,6 +990,37 @@ def pairs_method(config, data: PairData, world_size: int, say, **kwargs):
     if data.image_column is not None:
         return ImageTextMethod(config, data, world_size, say, **kwargs)
     return TextPairsMethod(config, data, world_size, say, **kwargs)
+
+
+#: What text-text pairs never read (no image tower, no labels to probe): set, refused.
+IMAGE_OPTIONS = (
+    "model",
+    "image_size",
+    "augment",
+    "crop_min_scale",
+    "horizontal_flip",
+    "skip_bad_images",
+    "augmentation_seeding",
+    "dropout",
+    "drop_path",
+    "sync_batchnorm",
+    "logit_scale_init",
+    "logit_bias_init",
+    "zero_shot_template",
+    "linear_probe",
+)
+
+
+def refuse_image_options(config) -> None:
+    """``TrainerError`` for the first of ``IMAGE_OPTIONS`` set away from its default: only
+    the data tell text pairs from image-text, so the config cannot refuse it itself."""
+    defaults = type(config)(dataset=config.dataset, columns=config.columns).resolved()
+    for name in IMAGE_OPTIONS:
+        if getattr(config, name) != getattr(defaults, name):
+            raise TrainerError(
+                f"{flag(name)} does not apply to text pairs: --columns {config.columns} "
+                "names no image"
+            )
 
 
 def first_texts(values: list) -> list[str]:

@@ -218,8 +218,14 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
         (["--columns", "anchor,answer"], "has no column 'answer'"),
         ("no-pad", "has no pad token"),
         (["--columns", "anchor,positive", "--image-column", "anchor"], "cannot be read"),
+        (["--columns", COLUMNS, "--model", "mlp"], "--model does not apply to text pairs"),
     ],
-    ids=["missing-column", "tokenizer-without-pad-token", "text-column-as-the-image-tower"],
+    ids=[
+        "missing-column",
+        "tokenizer-without-pad-token",
+        "text-column-as-the-image-tower",
+        "an-image-option",
+    ],  # fmt: skip
 )
 def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):
     model = data["no_pad"] if flags == "no-pad" else data["model"]
