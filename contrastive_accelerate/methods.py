@@ -38,6 +38,7 @@ its option fields on ``TrainConfig``, and its tests.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -697,19 +698,19 @@ class TextPairsMethod:
         refuse_image_options(config)
         self.seed = config.seed
         dtype = DTYPES[config.dtype]
-        towers, tokenizers = [], []
-        for _ in range(2 if config.two_towers else 1):
-            encoder, tokenizer = text_encoder(config, data, data.columns)
-            tower = TextTower(
-                encoder,
-                config.text_pooling,
-                config.projection_dim or None,
-                use_attention_mask=config.attention_mask,
-            ).to(dtype)
-            towers.append(text_dropout(tower, tokenizer, config, world_size, say))
-            tokenizers.append(tokenizer)
+        encoder, tokenizer = text_encoder(config, data, data.columns)
+        tower = TextTower(
+            encoder,
+            config.text_pooling,
+            config.projection_dim or None,
+            use_attention_mask=config.attention_mask,
+        ).to(dtype)
+        towers = [text_dropout(tower, tokenizer, config, world_size, say)]
+        if config.two_towers:  # the query and document towers start as one
+            towers.append(copy.deepcopy(towers[0]))
+        tokenizers = [tokenizer] * len(towers)
         self.model = TextPairModel(towers, tokenizers, max_length=config.max_length)
-        say_truncated(data, data.columns, tokenizers[0], config.max_length, say)
+        say_truncated(data, data.columns, tokenizer, config.max_length, say)
         self.dataset = TextColumns(
             data.train, data.columns, tokenizers[0], config.max_length, config.seed
         )
@@ -821,7 +822,7 @@ class ImageTextMethod:
         encoder, self.tokenizer = text_encoder(config, data, [caption_column])
         width = config.projection_dim or SIMCLR_HEAD[2]
         image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
-        text = TextTower(
+        text = TextTower(  # in the run's dtype already for text_dropout's probe forward
             encoder, config.text_pooling, width, use_attention_mask=config.attention_mask
         ).to(DTYPES[config.dtype])
         siglip = self.loss_name == "siglip"
@@ -1037,7 +1038,10 @@ def embed_texts(tower: nn.Module, tokenizer, texts: list[str], max_length: int) 
 
 
 def say_truncated(data: PairData, columns, tokenizer, max_length: int, say) -> None:
-    """One notice for the texts that ``max_length`` truncates, counted once at start-up."""
+    """One notice for the texts that ``max_length`` truncates, counted once at start-up by
+    the main process, the one that prints it."""
+    if is_distributed() and torch.distributed.get_rank() != 0:
+        return
     truncated, total = count_truncated(
         [value for column in columns for value in data.train[column]], tokenizer, max_length
     )
