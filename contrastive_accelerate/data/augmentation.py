@@ -61,6 +61,40 @@ def drawn_for_sample(draw: Callable[[], T], seed: int, epoch: int, index: int) -
         generator.set_state(caller_state)
 
 
+class SampleImages:
+    """Reads a row's image, resizes it to ``image_size`` and runs ``draw`` on it with its
+    random draws from (seed, epoch, index) (``per_sample_seed``), or from the process's
+    RNG as most pipelines draw (the control). The reader of ``TwoViews``, ``MultiCrop``
+    and ``ImageCaptions``."""
+
+    def __init__(self, image_size: int, seed: int, per_sample_seed: bool = True) -> None:
+        self.resize, self.seed, self.per_sample_seed = resize_to(image_size), seed, per_sample_seed
+
+    def __call__(
+        self, source, epoch: int, index: int, draw: Callable[[torch.Tensor], T]
+    ) -> T | UnreadableImage:
+        """``draw(image)``; an unreadable image is returned, not raised, so that the trainer
+        can tell every rank about it before the next collective."""
+        try:
+            image = self.resize(read_image(source, index))
+        except UnreadableImage as unreadable:
+            # A fresh exception, without the caught one's traceback: its frames would keep
+            # the dataset and its Arrow tables alive in a reference cycle until shutdown.
+            return UnreadableImage(str(unreadable))
+        if not self.per_sample_seed:
+            return draw(image)
+        return drawn_for_sample(lambda: draw(image), self.seed, epoch, index)
+
+
+def view_augmentation(
+    image_size: int, augment: bool, crop_min_scale: float, horizontal_flip: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """SimCLR's augmentation, or with ``augment`` off none."""
+    if not augment:
+        return v2.Identity()
+    return simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
+
+
 class TwoViews(torch.utils.data.Dataset):
     """Two augmented views of one image; items are ``(epoch, index)`` pairs.
 
@@ -82,13 +116,8 @@ class TwoViews(torch.utils.data.Dataset):
         horizontal_flip: bool = True,
     ) -> None:
         self.dataset, self.image_column, self.image_size = dataset, image_column, image_size
-        self.seed, self.per_sample_seed = seed, per_sample_seed
-        self.resize = resize_to(image_size)
-        self.augment = (
-            simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
-            if augment
-            else v2.Identity()
-        )
+        self.images = SampleImages(image_size, seed, per_sample_seed)
+        self.augment = view_augmentation(image_size, augment, crop_min_scale, horizontal_flip)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -96,22 +125,13 @@ class TwoViews(torch.utils.data.Dataset):
     def __getitem__(
         self, item: tuple[int, int]
     ) -> tuple[torch.Tensor, torch.Tensor, int] | UnreadableImage:
-        """Two views of sample ``index``; an unreadable image is returned, not raised, so
-        that the trainer can tell every rank about it before the next collective."""
+        """Two views of sample ``index`` (or the unreadable image: see ``SampleImages``)."""
         epoch, index = item
-        try:
-            image = self.resize(read_image(self.dataset[index][self.image_column], index))
-        except UnreadableImage as unreadable:
-            # A fresh exception, without the caught one's traceback: its frames would keep
-            # this dataset and its Arrow tables alive in a reference cycle until shutdown.
-            return UnreadableImage(str(unreadable))
 
-        def draw():
+        def draw(image):
             return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
 
-        if not self.per_sample_seed:
-            return draw()
-        return drawn_for_sample(draw, self.seed, epoch, index)
+        return self.images(self.dataset[index][self.image_column], epoch, index, draw)
 
     def collate(self, items: list) -> TwoViewBatch:
         """Stack the readable items' views and dataset indices; an empty share (short last
@@ -170,9 +190,8 @@ class MultiCrop(torch.utils.data.Dataset):
     ) -> None:
         self.dataset, self.image_column = dataset, image_column
         self.image_size, self.local_crop_size = image_size, local_crop_size
-        self.seed, self.per_sample_seed = seed, per_sample_seed
+        self.images = SampleImages(image_size, seed, per_sample_seed)
         self.global_crops, self.local_crops = global_crops, local_crops
-        self.resize = resize_to(image_size)
         self.global_augment = simclr_augmentation(
             image_size, crop_min_scale, horizontal_flip=horizontal_flip
         )
@@ -191,13 +210,8 @@ class MultiCrop(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]):
         epoch, index = item
-        try:
-            image = self.resize(read_image(self.dataset[index][self.image_column], index))
-        except UnreadableImage as unreadable:
-            return UnreadableImage(str(unreadable))  # see TwoViews.__getitem__
-        if not self.per_sample_seed:
-            return (*self._crops(image), index)
-        return drawn_for_sample(lambda: (*self._crops(image), index), self.seed, epoch, index)
+        source = self.dataset[index][self.image_column]
+        return self.images(source, epoch, index, lambda image: (*self._crops(image), index))
 
     def collate(self, items: list) -> MultiCropBatch:
         """Crops stacked per crop, ``(crops, n, C, H, W)`` per resolution; unreadable images

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from contrastive_accelerate.data.augmentation import drawn_for_sample, simclr_augmentation
-from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, read_image, resize_to
+from contrastive_accelerate.data.augmentation import SampleImages, view_augmentation
+from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage
 from contrastive_accelerate.data.sampler import derive_seed
 from contrastive_accelerate.data.sources import (
     DataError,
@@ -283,15 +283,10 @@ class ImageCaptions(torch.utils.data.Dataset):
         horizontal_flip: bool = True,
     ) -> None:
         self.dataset, self.image_column, self.caption_column = dataset, image_column, caption_column
-        self.per_sample_seed = per_sample_seed
         self.text = TextColumns(dataset, (caption_column,), tokenizer, max_length)
         self.image_size, self.seed = image_size, seed
-        self.resize = resize_to(image_size)
-        self.augment = (
-            simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
-            if augment
-            else torch.nn.Identity()
-        )
+        self.images = SampleImages(image_size, seed, per_sample_seed)
+        self.augment = view_augmentation(image_size, augment, crop_min_scale, horizontal_flip)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -303,16 +298,11 @@ class ImageCaptions(torch.utils.data.Dataset):
     def __getitem__(self, item: tuple[int, int]):
         epoch, index = item
         row = self.dataset[index]
-        try:
-            image = self.resize(read_image(row[self.image_column], index))
-        except UnreadableImage as unreadable:
-            return UnreadableImage(str(unreadable))  # a fresh one: see TwoViews
-
-        def draw():
-            return NORMALIZE(self.augment(image))
-
-        # Without per_sample_seed (the control): the process's RNG, as most pipelines draw.
-        view = drawn_for_sample(draw, self.seed, epoch, index) if self.per_sample_seed else draw()
+        view = self.images(
+            row[self.image_column], epoch, index, lambda image: NORMALIZE(self.augment(image))
+        )
+        if isinstance(view, UnreadableImage):
+            return view
         caption = caption_of(row[self.caption_column], self.seed, epoch, index)
         encoded = self.text.tokenizer(caption, truncation=True, max_length=self.text.max_length)
         return view, [encoded["input_ids"]], index
