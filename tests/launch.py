@@ -35,6 +35,28 @@ def launch(
     )
 
 
+class LaunchedRuns:
+    """Trainer runs launched once per (processes, flags) and shared by a module's tests
+    (a module-scoped fixture returns one): ``runs(2, "--flag")`` is the run's output
+    directory, ``runs.output(2, "--flag")`` what it printed."""
+
+    def __init__(self, tmp_path_factory, *common_args: str) -> None:
+        self.tmp_path_factory, self.common_args = tmp_path_factory, common_args
+        self.runs: dict[tuple, tuple[Path, str]] = {}
+
+    def __call__(self, processes: int, *flags: str) -> Path:
+        key = (processes, flags)
+        if key not in self.runs:
+            directory = self.tmp_path_factory.mktemp("run")
+            result = launch(processes, *self.common_args, *flags, "--output-dir", str(directory))
+            self.runs[key] = directory, result.stdout + result.stderr
+        return self.runs[key][0]
+
+    def output(self, processes: int, *flags: str) -> str:
+        self(processes, *flags)
+        return self.runs[(processes, flags)][1]
+
+
 def launch_command(
     num_processes: int, script: Path, *args: str, launcher_flags: list[str] | None = None
 ) -> list[str]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 
-from launch import WORDS, launch, make_text_model, small_labelled_dataset
+from launch import WORDS, LaunchedRuns, launch, make_text_model, small_labelled_dataset
 
 pytest.importorskip("transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
@@ -43,18 +43,9 @@ def data(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    cache: dict[tuple, Path] = {}
-
-    def get(processes: int, *flags: str) -> Path:
-        key = (processes, flags)
-        if key not in cache:
-            output = tmp_path_factory.mktemp("run")
-            launch(processes, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"],
-                   *flags, "--output-dir", str(output))  # fmt: skip
-            cache[key] = output
-        return cache[key]
-
-    return get
+    return LaunchedRuns(
+        tmp_path_factory, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"]
+    )
 
 
 def difference(a: Path, b: Path) -> float:

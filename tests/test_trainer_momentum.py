@@ -22,7 +22,7 @@ from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.knn import knn_data, knn_top1
 from models import SimCLR
 
-from launch import launch, make_image_folder, one_line_errors
+from launch import LaunchedRuns, launch, make_image_folder, one_line_errors
 
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--augment", "--lr", "0.1",
@@ -52,17 +52,7 @@ def images(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, images):
-    cache: dict[tuple, Path] = {}
-
-    def get(processes: int, *flags: str) -> Path:
-        key = (processes, flags)
-        if key not in cache:
-            output = tmp_path_factory.mktemp("run")
-            launch(processes, *COMMON, "--dataset", images, *flags, "--output-dir", str(output))
-            cache[key] = output
-        return cache[key]
-
-    return get
+    return LaunchedRuns(tmp_path_factory, *COMMON, "--dataset", images)
 
 
 def differences(a: Path, b: Path) -> tuple[float, float]:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 
-from launch import launch, make_sentence_pairs, make_text_model, one_line_errors
+from launch import LaunchedRuns, launch, make_sentence_pairs, make_text_model, one_line_errors
 
 pytest.importorskip("transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
@@ -43,21 +43,8 @@ def data(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    cache: dict[tuple, tuple[Path, str]] = {}
-
-    def get(processes: int, *flags: str) -> Path:
-        key = (processes, flags)
-        if key not in cache:
-            output = tmp_path_factory.mktemp("run")
-            result = launch(
-                processes, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS,
-                "--text-model", data["model"], *flags, "--output-dir", str(output),
-            )  # fmt: skip
-            cache[key] = output, result.stdout + result.stderr
-        return cache[key][0]
-
-    get.output = lambda processes, *flags: cache[(processes, flags)][1]
-    return get
+    return LaunchedRuns(tmp_path_factory, *COMMON, "--dataset", data["pairs"],
+                        "--columns", COLUMNS, "--text-model", data["model"])  # fmt: skip
 
 
 def difference(a: Path, b: Path) -> float:
