@@ -35,6 +35,22 @@ def launch(
     )
 
 
+def final_difference(a: Path, b: Path) -> float:
+    """Max abs difference of two runs' ``final/`` models."""
+    from contrastive_accelerate.ckpt_diff import max_abs_diff
+
+    return max_abs_diff(str(a / "final"), str(b / "final"))
+
+
+def one_chunk(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``flags`` without ``--accumulation-chunks K``: the 1-process reference of a K-chunk run."""
+    kept = list(flags)
+    if "--accumulation-chunks" in kept:
+        at = kept.index("--accumulation-chunks")
+        del kept[at : at + 2]
+    return tuple(kept)
+
+
 class LaunchedRuns:
     """Trainer runs launched once per (processes, flags) and shared by a module's tests
     (a module-scoped fixture returns one): ``runs(2, "--flag")`` is the run's output

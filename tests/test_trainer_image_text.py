@@ -16,9 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from contrastive_accelerate.ckpt_diff import max_abs_diff
-
-from launch import WORDS, LaunchedRuns, launch, make_text_model, small_labelled_dataset
+from launch import (
+    WORDS,
+    LaunchedRuns,
+    final_difference,
+    launch,
+    make_text_model,
+    one_chunk,
+    small_labelled_dataset,
+)
 
 pytest.importorskip("transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
@@ -48,10 +54,6 @@ def runs(tmp_path_factory, data):
     )
 
 
-def difference(a: Path, b: Path) -> float:
-    return max_abs_diff(str(a / "final"), str(b / "final"))
-
-
 @pytest.mark.parametrize(
     "flags, processes",
     [
@@ -65,8 +67,8 @@ def difference(a: Path, b: Path) -> float:
     ids=["infonce-W2", "infonce-W3", "infonce-W3-K3", "siglip-W2", "siglip-W3", "siglip-W2-K3"],
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
-    reference = runs(1, *(f for f in flags if f not in ("--accumulation-chunks", "3")))
-    error = difference(reference, runs(processes, *flags))
+    reference = runs(1, *one_chunk(flags))
+    error = final_difference(reference, runs(processes, *flags))
     print(f"image-text {' '.join(flags) or 'infonce'}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
 
@@ -82,7 +84,7 @@ def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processe
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control):
     reference = runs(1, *(BEFORE_THE_SHORT_BATCH if "--no-gather" in control else ()))
-    error = difference(reference, runs(2, *control))
+    error = final_difference(reference, runs(2, *control))
     print(f"image-text control {' '.join(control)}, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 
@@ -93,7 +95,7 @@ def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_pat
     launch(1, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"], *SIGLIP,
            "--output-dir", str(resumed),
            "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
-    error = difference(straight, resumed)
+    error = final_difference(straight, resumed)
     print(f"image-text resumed at step 4 of 5 (epoch 2): {error:.1e}")
     assert error == 0.0
 

@@ -17,9 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from contrastive_accelerate.ckpt_diff import max_abs_diff
-
-from launch import LaunchedRuns, launch, make_sentence_pairs, make_text_model, one_line_errors
+from launch import (
+    LaunchedRuns,
+    final_difference,
+    launch,
+    make_sentence_pairs,
+    make_text_model,
+    one_chunk,
+    one_line_errors,
+)
 
 pytest.importorskip("transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
@@ -47,10 +53,6 @@ def runs(tmp_path_factory, data):
                         "--columns", COLUMNS, "--text-model", data["model"])  # fmt: skip
 
 
-def difference(a: Path, b: Path) -> float:
-    return max_abs_diff(str(a / "final"), str(b / "final"))
-
-
 @pytest.mark.parametrize(
     "flags, processes",
     [
@@ -64,8 +66,8 @@ def difference(a: Path, b: Path) -> float:
     ids=["W2", "W3", "W2-K3", "two-towers-W2", "two-towers-W3", "two-towers-W3-K3"],
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
-    reference = runs(1, *(f for f in flags if f not in ("--accumulation-chunks", "3")))
-    error = difference(reference, runs(processes, *flags))
+    reference = runs(1, *one_chunk(flags))
+    error = final_difference(reference, runs(processes, *flags))
     print(f"pairs {' '.join(flags) or 'shared tower'}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
     # Sums of counts and reciprocal ranks: equal up to their float64 summation order.
@@ -87,7 +89,7 @@ def retrieval(run: Path) -> dict[str, float]:
     ids=["per-process-dropout", "local-negatives", "no-attention-mask"],
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control, reference_flags):
-    error = difference(runs(1, *reference_flags), runs(2, *control))
+    error = final_difference(runs(1, *reference_flags), runs(2, *control))
     print(f"control {' '.join(control)}, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 
@@ -107,7 +109,7 @@ def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_pat
     launch(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
            data["model"], "--output-dir", str(resumed),
            "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
-    error = difference(straight, resumed)
+    error = final_difference(straight, resumed)
     print(f"pairs resumed at step 2 of 5: {error:.1e}")
     assert error == 0.0
 
