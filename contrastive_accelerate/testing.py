@@ -85,14 +85,32 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
         raise
 
 
+def run_in_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = JOIN_TIMEOUT_S
+) -> list[Any]:
+    """``run_on_ranks`` for code that makes its own process group: the same persistent
+    worker processes (spawned once per world size, replaced after a failure or a hang),
+    but they join no group, so that ``fn`` can launch a whole run in each, as torchrun
+    would (a training script's ``Accelerator`` makes the group and ends it). ``fn`` is
+    called as ``fn(rank, world_size, *args)``; pass it a fresh port for its rendezvous.
+    """
+    workers = _shared_group(world_size, None)
+    try:
+        return workers.run(fn, args, timeout_s)
+    except BaseException:
+        _discard_group(world_size, None)
+        raise
+
+
 _FAILURE_GRACE_S = 5.0
 _TRANSPORT = re.compile(r"gloo|Connection (reset|closed)|pair\.cc|Timed out", re.I)
 
 
 class _Group:
-    """W worker processes joined in a gloo group, serving calls until closed."""
+    """W worker processes joined in a gloo group (none when ``collective_timeout_s`` is
+    None), serving calls until closed."""
 
-    def __init__(self, world_size: int, collective_timeout_s: float) -> None:
+    def __init__(self, world_size: int, collective_timeout_s: float | None) -> None:
         context = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = [context.Queue() for _ in range(world_size)]
@@ -121,7 +139,12 @@ class _Group:
                 if failures:
                     break  # the others wait in a collective for the rank that failed
                 missing = sorted(set(range(self.world_size)) - set(by_rank))
-                raise TimeoutError(f"no result from ranks {missing} in {timeout_s:g} s") from None
+                returned = "".join(
+                    f"\nrank {rank} returned: {str(value)[-1000:]}" for rank, value in by_rank.items()
+                )
+                raise TimeoutError(
+                    f"no result from ranks {missing} in {timeout_s:g} s{returned}"
+                ) from None
             if ok:
                 by_rank[rank] = value
             else:
@@ -152,13 +175,14 @@ def _serve(rank, world_size, port, collective_timeout_s, tasks, results) -> None
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
-        )
+        if collective_timeout_s is not None:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=collective_timeout_s),
+            )
         while (task := tasks.get()) is not None:
             fn, args = task
             try:
@@ -174,10 +198,10 @@ def _serve(rank, world_size, port, collective_timeout_s, tasks, results) -> None
 
 # One group per world size for a whole test session: a check costs its computation,
 # not W process starts and a rendezvous. A group that failed or hung is replaced.
-_GROUPS: dict[tuple[int, float], _Group] = {}
+_GROUPS: dict[tuple[int, float | None], _Group] = {}
 
 
-def _shared_group(world_size: int, timeout_s: float) -> _Group:
+def _shared_group(world_size: int, timeout_s: float | None) -> _Group:
     key = (world_size, timeout_s)
     group = _GROUPS.get(key)
     if group is None or not group.alive():
@@ -185,7 +209,7 @@ def _shared_group(world_size: int, timeout_s: float) -> _Group:
     return group
 
 
-def _discard_group(world_size: int, timeout_s: float) -> None:
+def _discard_group(world_size: int, timeout_s: float | None) -> None:
     group = _GROUPS.pop((world_size, timeout_s), None)
     if group is not None:
         for process in group.processes:
@@ -645,5 +669,6 @@ __all__ = [
     "diagnose",
     "final_checkpoint",
     "launch_command",
+    "run_in_workers",
     "run_on_ranks",
 ]

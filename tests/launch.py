@@ -1,12 +1,27 @@
-"""Run trainer.py under a real ``accelerate launch`` and make small offline datasets."""
+"""Run trainer.py, in the session's worker pools or under a real ``accelerate launch``,
+and make small offline datasets.
+
+``train_pooled`` is how tests train: the run goes to W persistent worker processes
+(``contrastive_accelerate.testing.run_in_workers``) that call ``trainer.main`` as a
+launched process would, with the launcher's environment and a rendezvous of its own,
+so a run costs its training, not W interpreter starts and imports. ``launch`` goes
+through ``accelerate launch`` and is kept for what only the launcher proves (see
+tests/README.md for the list).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +57,23 @@ def final_difference(a: Path, b: Path) -> float:
     return max_abs_diff(str(a / "final"), str(b / "final"))
 
 
+def final_files_difference(a: Path, b: Path) -> float:
+    """Max abs difference over every tensor of every safetensors file of two runs'
+    ``final/`` folders (the model, the method's state, the exports); the two must hold
+    the same files and tensors."""
+    from contrastive_accelerate.ckpt_diff import compare
+
+    files = {path.relative_to(a / "final") for path in (a / "final").rglob("*.safetensors")}
+    others = {path.relative_to(b / "final") for path in (b / "final").rglob("*.safetensors")}
+    assert files == others, f"final/ holds other files: {sorted(files ^ others)}"
+    worst = 0.0
+    for name in files:
+        for diff in compare(str(a / "final" / name), str(b / "final" / name)):
+            assert diff.problem is None, f"{name}: {diff.name}: {diff.problem}"
+            worst = max(worst, diff.max_abs)
+    return worst
+
+
 def one_chunk(flags: tuple[str, ...]) -> tuple[str, ...]:
     """``flags`` without ``--accumulation-chunks K``: the 1-process reference of a K-chunk run."""
     kept = list(flags)
@@ -51,8 +83,8 @@ def one_chunk(flags: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(kept)
 
 
-class LaunchedRuns:
-    """Trainer runs launched once per (processes, flags) and shared by a module's tests
+class TrainerRuns:
+    """Trainer runs made once per (processes, flags) and shared by a module's tests
     (a module-scoped fixture returns one): ``runs(2, "--flag")`` is the run's output
     directory, ``runs.output(2, "--flag")`` what it printed."""
 
@@ -64,13 +96,149 @@ class LaunchedRuns:
         key = (processes, flags)
         if key not in self.runs:
             directory = self.tmp_path_factory.mktemp("run")
-            result = launch(processes, *self.common_args, *flags, "--output-dir", str(directory))
+            result = train_pooled(
+                processes, *self.common_args, *flags, "--output-dir", str(directory)
+            )
             self.runs[key] = directory, result.stdout + result.stderr
         return self.runs[key][0]
 
     def output(self, processes: int, *flags: str) -> str:
         self(processes, *flags)
         return self.runs[(processes, flags)][1]
+
+
+def train_pooled(
+    num_processes: int,
+    *trainer_args: str,
+    timeout: int = LAUNCH_TIMEOUT_S,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """``trainer.py ARGS`` on ``num_processes`` ranks of the session's worker pool: what
+    ``launch`` returns (the exit code of the first rank that failed, every rank's output
+    in rank order) without starting a process. A run that hangs fails after ``timeout``
+    seconds, naming the ranks that never returned, and the next run gets fresh workers."""
+    from contrastive_accelerate.testing import free_port, run_in_workers
+
+    port = free_port()
+    with _environment(ENV):  # what a new pool's workers inherit: the launcher's variables
+        per_rank = run_in_workers(
+            _trainer_main, num_processes, port, list(trainer_args), timeout_s=timeout
+        )
+    codes = [code for code, _, _ in per_rank]
+    result = subprocess.CompletedProcess(
+        ["trainer.py", *trainer_args],
+        next((code for code in codes if code), 0),
+        "".join(stdout for _, stdout, _ in per_rank),
+        "".join(stderr for _, _, stderr in per_rank),
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"pooled trainer.py {' '.join(trainer_args)} on {num_processes} process(es) "
+            f"exited {codes}:\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _trainer_main(rank: int, world_size: int, port: int, argv: list[str]) -> tuple[int, str, str]:
+    """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state,
+    with its exit code and what it wrote to stdout and stderr."""
+    import trainer
+
+    fresh_process_state(rank, world_size, port)
+    with _captured_output() as output:
+        try:
+            trainer.main(argv)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:  # noqa: BLE001 - what an uncaught error does to a process
+            traceback.print_exc()
+            code = 1
+    return code, *output
+
+
+_FRESH: dict = {}
+
+
+def fresh_process_state(rank: int, world_size: int, port: int) -> None:
+    """Put this worker back where a process that torchrun (or, for one process, python)
+    starts would be: the environment of the pool's start plus the launcher's rank
+    variables, no process group, no Accelerate state, torch's global defaults, the
+    seeds and signal handlers of a new interpreter. Everything the trainer keeps in
+    module-level state lives only for one run (``StepChecks``, ``StopSignals``).
+    ``tests/test_pool.py`` proves it: a run repeated in one worker equals a fresh
+    process's, 0.0."""
+    import torch
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    if not _FRESH:  # the first call: the worker as spawned
+        _FRESH.update(
+            environ=dict(os.environ),
+            threads=torch.get_num_threads(),
+            dtype=torch.get_default_dtype(),
+            signals={s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)},
+            warnings=list(warnings.filters),
+        )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Accelerate keeps its process state in class-level singletons; its own tests reset
+    # them this way between runs.
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(_FRESH["environ"])
+    if world_size > 1:  # what torchrun sets for each worker
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+    torch.set_num_threads(_FRESH["threads"])
+    torch.set_default_dtype(_FRESH["dtype"])
+    torch.set_grad_enabled(True)
+    torch.seed()  # a new interpreter seeds from the OS: so does this
+    random.seed()
+    np.random.seed()
+    for number, handler in _FRESH["signals"].items():
+        signal.signal(number, handler)
+    warnings.filters[:] = _FRESH["warnings"]
+
+
+@contextlib.contextmanager
+def _captured_output() -> Iterator[list[str]]:
+    """What the run writes to file descriptors 1 and 2 (the trainer's one-line errors
+    write to the descriptor), as ``[stdout, stderr]`` once the block ends."""
+    output: list[str] = []
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            yield output
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for descriptor in saved:
+                os.close(descriptor)
+            for file in (out, err):
+                file.seek(0)
+                output.append(file.read())
 
 
 def launch_command(

@@ -14,7 +14,7 @@ import pytest
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 
-from launch import launch, make_image_folder
+from launch import make_image_folder, train_pooled
 
 EXACT = 1e-9  # float64; the same tolerance as the other invariance tests
 VIT = [
@@ -55,7 +55,7 @@ def runs(tmp_path_factory, images):
         output = root / f"p{processes}_k{chunks}"
         # (1, 4) also saves every step: the resume test continues from its step 1.
         saves = ["--save-every", "1"] if (processes, chunks) == (1, 4) else []
-        launch(
+        train_pooled(
             processes,
             *VIT,
             "--dataset",
@@ -79,7 +79,7 @@ def test_vit_with_dropout_is_the_same_model_for_any_processes_and_chunks(runs, s
 
 def test_mid_epoch_resume_with_chunks_equals_the_straight_run(runs, images, tmp_path):
     # Step 1 of 3 is inside the first epoch (2 batches per epoch).
-    launch(
+    train_pooled(
         1,
         *VIT,
         "--dataset",
@@ -103,7 +103,7 @@ def test_negative_control_torch_dropout_depends_on_the_processes(runs, images, t
     outputs = {}
     for processes in (1, 2):
         outputs[processes] = tmp_path / f"p{processes}"
-        result = launch(
+        result = train_pooled(
             processes,
             *VIT,
             *random,
@@ -121,7 +121,7 @@ def test_negative_control_torch_dropout_depends_on_the_processes(runs, images, t
 
 
 def test_batchnorm_model_with_chunks_runs_and_says_it_is_not_exact(images, tmp_path):
-    result = launch(
+    result = train_pooled(
         2,
         "--model",
         "resnet18",

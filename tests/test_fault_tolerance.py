@@ -36,12 +36,12 @@ from launch import (
     REPO,
     add_unusual_images,
     finish,
-    launch,
     launch_command,
     logged_steps,
     make_image_folder,
     one_line_errors,
     start,
+    train_pooled,
     wait_until,
 )
 
@@ -53,7 +53,7 @@ EXACT_SAME_PROCESSES = 1e-12
 def base_run(tmp_path_factory) -> Path:
     """A finished 2-step run with a checkpoint at step 2 (1 process, float32)."""
     output = tmp_path_factory.mktemp("base")
-    launch(1, *MLP, "--max-steps", "2", "--save-every", "2", "--output-dir", str(output))
+    train_pooled(1, *MLP, "--max-steps", "2", "--save-every", "2", "--output-dir", str(output))
     return output
 
 
@@ -88,12 +88,12 @@ def test_resume_never_unpickles(tmp_path, base_run):
     for name in ACCELERATE_FILES:
         (shared / name).write_bytes(pickle.dumps(_Payload(marker)))
     args = [*MLP, "--max-steps", "3"]
-    launch(1, *args, "--resume-from", str(shared), "--output-dir", str(tmp_path / "a"))
+    train_pooled(1, *args, "--resume-from", str(shared), "--output-dir", str(tmp_path / "a"))
     assert (tmp_path / "a" / "final" / "model.safetensors").exists()
 
     crafted = _copy_checkpoint(base_run, tmp_path / "crafted")
     (crafted / "model.safetensors").write_bytes(pickle.dumps(_Payload(marker)))
-    result = launch(
+    result = train_pooled(
         2, *args, "--resume-from", str(crafted), "--output-dir", str(tmp_path / "b"), check=False
     )
     one_line_errors(result, "corrupt checkpoint: model.safetensors", 2)
@@ -110,7 +110,7 @@ def test_a_damaged_checkpoint_is_one_line_on_every_rank(tmp_path, base_run, dama
     else:
         (checkpoint / "trainer_state.json").unlink()
         expected = "incomplete checkpoint"
-    result = launch(
+    result = train_pooled(
         2,
         *MLP,
         "--max-steps",
@@ -134,7 +134,7 @@ PREEMPTIBLE = [*MLP, "--dtype", "float64", "--batch-size", "16", "--max-steps", 
 
 def test_sigterm_saves_the_current_step_and_resume_matches_the_uninterrupted_run(tmp_path):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    launch(2, *PREEMPTIBLE, "--output-dir", str(straight))
+    train_pooled(2, *PREEMPTIBLE, "--output-dir", str(straight))
 
     job = start(2, *PREEMPTIBLE, "--output-dir", str(preempted))
     wait_until(lambda: logged_steps(preempted) >= 3)
@@ -148,7 +148,7 @@ def test_sigterm_saves_the_current_step_and_resume_matches_the_uninterrupted_run
     assert stderr.count("received SIGTERM: stopping after the current step") == 2  # per rank
     assert not (preempted / "final").exists()
 
-    launch(2, *PREEMPTIBLE, "--output-dir", str(preempted), "--resume-from", "latest")
+    train_pooled(2, *PREEMPTIBLE, "--output-dir", str(preempted), "--resume-from", "latest")
     diff = max_abs_diff(str(straight / "final"), str(preempted / "final"))
     print(f"preempted at step {step} of 60, resumed with latest: max abs diff {diff:.3e}")
     assert diff <= EXACT_SAME_PROCESSES
@@ -237,7 +237,7 @@ def test_kill_9_during_saves_leaves_only_loadable_checkpoints(tmp_path):
     print(f"3 kills, {partial_seen} of them mid-save; latest complete: {latest}")
     # A killed run leaves neither a stuck lock nor a checkpoint that `latest` cannot load.
     resume_to = str(load_checkpoint(latest).step + 1)
-    launch(
+    train_pooled(
         1, *resnet, "--max-steps", resume_to, "--output-dir", str(output), "--resume-from", "latest"
     )
     assert (output / "final" / "model.safetensors").exists()
@@ -245,7 +245,7 @@ def test_kill_9_during_saves_leaves_only_loadable_checkpoints(tmp_path):
 
 def test_retention_lock_and_refusal_to_mix_runs(tmp_path):
     output = tmp_path / "run"
-    launch(
+    train_pooled(
         1,
         *MLP,
         "--max-steps",
@@ -261,7 +261,7 @@ def test_retention_lock_and_refusal_to_mix_runs(tmp_path):
         "checkpoint-4",
         "checkpoint-5",
     ]
-    fresh = launch(2, *MLP, "--max-steps", "5", "--output-dir", str(output), check=False)
+    fresh = train_pooled(2, *MLP, "--max-steps", "5", "--output-dir", str(output), check=False)
     one_line_errors(fresh, "already holds another run (checkpoint-4, checkpoint-5, final)", 2)
 
     job = start(
@@ -270,7 +270,7 @@ def test_retention_lock_and_refusal_to_mix_runs(tmp_path):
     # The old run's files go (final/ last of them), then the new run logs its first step.
     wait_until(lambda: not (output / "final").exists() and logged_steps(output) >= 1)
     assert complete_checkpoints(str(output)) == []
-    second = launch(
+    second = train_pooled(
         2,
         *MLP,
         "--max-steps",
@@ -303,7 +303,7 @@ def test_resume_applies_or_refuses_each_changed_option(tmp_path, base_run):
         "--max-steps",
         "4",
     ]
-    result = launch(1, *MLP, *changed, "--output-dir", str(output), "--resume-from", "latest")
+    result = train_pooled(1, *MLP, *changed, "--output-dir", str(output), "--resume-from", "latest")
     for line in [
         "--lr 0.03 -> 0.1",
         "--momentum 0.9 -> 0.5",
@@ -318,7 +318,7 @@ def test_resume_applies_or_refuses_each_changed_option(tmp_path, base_run):
     lr_at_step_3 = next(r["lr"] for r in records if r.get("step") == 3)
     assert math.isclose(lr_at_step_3, 0.05)
 
-    refused = launch(
+    refused = train_pooled(
         2,
         *MLP,
         "--max-steps",
@@ -348,10 +348,10 @@ def test_bad_values_give_one_line_on_every_rank(tmp_path, base_run):
     # An option refused before any collective (every bound is checked in test_config) is
     # launched on 2 ranks in test_trainer_momentum; these two fail later, in the run.
     results = {
-        "is a file, not a directory": launch(
+        "is a file, not a directory": train_pooled(
             2, *MLP, "--output-dir", str(base_run / "metrics.jsonl"), check=False
         ),
-        "nothing to train: the checkpoint is at step 2 and the run ends at step 2": launch(
+        "nothing to train: the checkpoint is at step 2 and the run ends at step 2": train_pooled(
             2,
             *MLP,
             "--max-steps",
@@ -451,7 +451,7 @@ SKIPPING = [
 
 def test_an_unreadable_image_stops_every_rank_with_its_name(tmp_path, unusual_images):
     root, truncated = unusual_images
-    result = launch(
+    result = train_pooled(
         2, *SKIPPING, "--dataset", str(root), "--output-dir", str(tmp_path), check=False
     )
     one_line_errors(result, f"({truncated}) cannot be read: image file is truncated", 2)
@@ -462,7 +462,7 @@ def test_skipped_images_keep_one_and_two_processes_identical(tmp_path, unusual_i
     finals = []
     for processes in (1, 2):
         output = tmp_path / str(processes)
-        result = launch(
+        result = train_pooled(
             processes,
             *SKIPPING,
             "--dataset",

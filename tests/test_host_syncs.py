@@ -30,7 +30,7 @@ from contrastive_accelerate.testing import HostSyncs, run_on_ranks
 from losses import NTXentLoss, SigLIPLoss
 from trainer import TrainConfig
 
-from launch import launch, one_line_errors
+from launch import one_line_errors, train_pooled
 
 BATCH = 7  # odd: the two ranks hold 4 and 3 samples
 #: --loss values of simclr, then the other methods (on the mlp: their steps add a teacher,
@@ -166,7 +166,7 @@ def test_trainer_stops_a_non_finite_run_on_every_rank_before_saving(tmp_path):
     """SGD at lr 1e30 overflows the weights in its first step: the loss of step 2 is NaN.
     The check at the first logging step stops both ranks; no checkpoint is written."""
     output = tmp_path / "run"
-    result = launch(
+    result = train_pooled(
         2, "--model", "mlp", "--batch-size", "8", "--knn-k", "0", "--warmup-steps", "0",
         "--lr", "1e30", "--max-steps", "6", "--log-every", "4", "--save-every", "4",
         "--output-dir", str(output), check=False,

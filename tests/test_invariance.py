@@ -18,7 +18,7 @@ import pytest
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 
-from launch import launch, make_image_folder
+from launch import train_pooled
 
 EXACT = 1e-9
 FULL_MODEL = [
@@ -48,10 +48,10 @@ UNEVEN_IMAGE_SIZE = ["--image-size", "16"]
 
 
 @pytest.fixture(scope="module")
-def uneven_images(tmp_path_factory):
+def uneven_images(image_folder):
     # 20 images, global batch 6: batches of 6, 6, 6, 2 per epoch; on 3 processes the
     # short batch splits 1 + 1 + 0, so one rank has nothing to do in that step.
-    return str(make_image_folder(tmp_path_factory.mktemp("uneven"), count=20, size=10))
+    return image_folder
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def runs(tmp_path_factory, uneven_images):
                 if data == "digits"
                 else ["--batch-size", "6", "--dataset", uneven_images, *UNEVEN_IMAGE_SIZE]
             )
-            launch(processes, *FULL_MODEL, *data_args, *flags, "--output-dir", str(output))
+            train_pooled(processes, *FULL_MODEL, *data_args, *flags, "--output-dir", str(output))
             cache[key] = str(output / "final")
         return cache[key]
 

@@ -8,7 +8,14 @@ import textwrap
 
 import pytest
 
-from launch import REPO, launch, launch_script, one_line_errors, small_labelled_dataset
+from launch import (
+    REPO,
+    launch,
+    launch_script,
+    one_line_errors,
+    small_labelled_dataset,
+    train_pooled,
+)
 
 MLP = ["--model", "mlp", "--batch-size", "8", "--knn-k", "0"]
 
@@ -109,7 +116,7 @@ def test_user_modules_do_not_shadow_the_projects_own(tmp_path):
 def test_a_parquet_dataset_from_the_command_line_states_its_holdout(tmp_path):
     small_labelled_dataset(20).to_parquet(str(tmp_path / "images.parquet"))
     args = ["--dataset", str(tmp_path / "images.parquet"), "--image-size", "12"]
-    result = launch(
+    result = train_pooled(
         1,
         "--model",
         "mlp",
@@ -132,7 +139,7 @@ def test_a_parquet_dataset_from_the_command_line_states_its_holdout(tmp_path):
 
 @pytest.mark.parametrize("report_to", ["tensorboard", "none"])
 def test_trackers_only_when_asked(tmp_path, report_to):
-    launch(
+    train_pooled(
         1,
         *MLP,
         "--max-steps",

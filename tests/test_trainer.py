@@ -22,7 +22,7 @@ from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.knn import RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import TrainerError, check_launch
 
-from launch import launch, make_image_folder, one_line_errors
+from launch import launch, make_image_folder, one_line_errors, train_pooled
 
 STEPS = "12"
 EXACT = {"float32": 1e-5, "float64": 1e-10}
@@ -44,7 +44,7 @@ COMMON = [
 
 def _run(tmp_path_factory, num_processes: int, *args: str) -> str:
     output = tmp_path_factory.mktemp("run")
-    launch(num_processes, *COMMON, *args, "--output-dir", str(output))
+    train_pooled(num_processes, *COMMON, *args, "--output-dir", str(output))
     return str(output / "final")
 
 
@@ -117,9 +117,9 @@ def test_resume_mid_epoch_matches_straight_run(tmp_path, small_image_folder, num
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # The straight run's 2 persistent workers serve all 4 epochs; the resumed run loads in
     # the main process: the same batches and views either way.
-    launch(num_processes, *args, "--num-workers", "2", "--output-dir", str(straight))
+    train_pooled(num_processes, *args, "--num-workers", "2", "--output-dir", str(straight))
     # Step 4 is mid-epoch (batch 1 of epoch 1), with shuffling and random augmentation on.
-    launch(
+    train_pooled(
         num_processes,
         *args,
         "--num-workers",
@@ -159,7 +159,7 @@ def summaries(tmp_path_factory):
             output = tmp_path_factory.mktemp("summary")
             args = "--max-steps 2 --eval-every 1 --batch-size 16 --knn-k 5".split()
             cache[num_processes] = (
-                launch(num_processes, *args, "--output-dir", str(output)),
+                train_pooled(num_processes, *args, "--output-dir", str(output)),
                 output,
             )
         return cache[num_processes]
@@ -197,7 +197,7 @@ def test_summary_states_the_raw_pixel_baseline_of_the_same_held_out_images(summa
 
 
 def test_bad_input_unknown_dataset_path(tmp_path):
-    result = launch(
+    result = train_pooled(
         2,
         *COMMON,
         "--dataset",
@@ -217,7 +217,7 @@ def test_bad_input_batch_size_not_divisible(tmp_path):
 
 
 def test_bad_input_missing_image_column(tmp_path, small_image_folder):
-    result = launch(
+    result = train_pooled(
         2,
         *COMMON,
         "--dataset",
@@ -258,8 +258,8 @@ def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypa
 def test_resume_on_a_different_number_of_processes(tmp_path):
     """A checkpoint from 1 process continues on 2 to the same model (float32 tolerance)."""
     args = _checkpointing_run(max_steps=6, save_every=3)
-    launch(1, *args, "--output-dir", str(tmp_path / "one"))
-    launch(
+    train_pooled(1, *args, "--output-dir", str(tmp_path / "one"))
+    train_pooled(
         2,
         *args,
         "--output-dir",

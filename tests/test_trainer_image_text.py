@@ -17,13 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from launch import (
-    WORDS,
-    LaunchedRuns,
+    TrainerRuns,
     final_difference,
     launch,
-    make_text_model,
     one_chunk,
-    small_labelled_dataset,
+    train_pooled,
 )
 
 pytest.importorskip("transformers")
@@ -38,18 +36,13 @@ BEFORE_THE_SHORT_BATCH = ("--max-steps", "3")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("image-text")
-    dataset = small_labelled_dataset(count=20, size=10)
-    captions = [[f"{WORDS[(3 * i + k) % len(WORDS)]} {WORDS[(i + 2 * k) % len(WORDS)]} cat"
-                 for k in range(3)] for i in range(len(dataset))]  # fmt: skip
-    dataset.add_column("caption", captions).save_to_disk(str(root / "data"))
-    return {"dataset": str(root / "data"), "model": str(make_text_model(root / "bert"))}
+def data(captioned_images, tiny_bert) -> dict[str, str]:
+    return {"dataset": captioned_images, "model": tiny_bert}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    return LaunchedRuns(
+    return TrainerRuns(
         tmp_path_factory, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"]
     )
 
@@ -92,9 +85,9 @@ def test_control_each_mechanism_removed_breaks_it(runs, control):
 def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_path):
     straight = runs(1, *SIGLIP, "--save-every", "4")
     resumed = tmp_path / "resumed"
-    launch(1, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"], *SIGLIP,
-           "--output-dir", str(resumed),
-           "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
+    train_pooled(1, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"], *SIGLIP,
+                 "--output-dir", str(resumed),
+                 "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
     error = final_difference(straight, resumed)
     print(f"image-text resumed at step 4 of 5 (epoch 2): {error:.1e}")
     assert error == 0.0

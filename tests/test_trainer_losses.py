@@ -21,7 +21,7 @@ import pytest
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 
-from launch import launch, make_image_folder
+from launch import make_image_folder, train_pooled
 
 EXACT = 1e-9
 COMMON = [
@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
         if key not in cache:
             output = tmp_path_factory.mktemp(f"{loss}-{processes}")
             args = ["--loss", loss, "--model", *MODELS[loss], *COMMON, *extra]
-            launch(processes, *args, "--output-dir", str(output))
+            train_pooled(processes, *args, "--output-dir", str(output))
             cache[key] = output
         return cache[key]
 
@@ -95,7 +95,7 @@ def test_supcon_without_labels_is_a_one_line_error(tmp_path):
     images = make_image_folder(tmp_path / "images", count=8, classes=1)
     for path in (images / "train").rglob("*.png"):  # no class folders: no labels
         path.rename(images / "train" / path.name)
-    result = launch(
+    result = train_pooled(
         1, "--loss", "supcon", "--model", "mlp", "--dataset", str(images), "--knn-k", "0",
         "--batch-size", "4", "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
         check=False,

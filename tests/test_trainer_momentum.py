@@ -22,7 +22,7 @@ from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.knn import knn_data, knn_top1
 from models import SimCLR
 
-from launch import LaunchedRuns, launch, make_image_folder, one_line_errors
+from launch import TrainerRuns, launch, make_image_folder, one_line_errors, train_pooled
 
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--augment", "--lr", "0.1",
@@ -46,13 +46,13 @@ DINO_MLP = [*DINO, *MLP]
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory) -> str:
-    return str(make_image_folder(tmp_path_factory.mktemp("images"), count=20, size=10))
+def images(image_folder) -> str:
+    return image_folder
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, images):
-    return LaunchedRuns(tmp_path_factory, *COMMON, "--dataset", images)
+    return TrainerRuns(tmp_path_factory, *COMMON, "--dataset", images)
 
 
 def differences(a: Path, b: Path) -> tuple[float, float]:
@@ -111,7 +111,7 @@ def test_control_a_per_rank_queue_is_not_invariant(runs):
 
 
 def _resume(images: str, processes: int, checkpoint: Path, output: Path, flags=MOCO) -> Path:
-    launch(processes, *COMMON, "--dataset", images, *flags, "--output-dir", str(output),
+    train_pooled(processes, *COMMON, "--dataset", images, *flags, "--output-dir", str(output),
            "--resume-from", str(checkpoint))  # fmt: skip
     return output
 
@@ -232,7 +232,7 @@ def test_eval_teacher_evaluates_the_teachers_encoder(tmp_path):
     digits = ["--method", "moco", "--model", "mlp", "--batch-size", "32", "--max-steps", "12",
               "--lr", "0.5", "--teacher-momentum", "0.999", "--knn-k", "1", "--no-linear-probe",
               "--log-every", "6", "--eval-teacher"]  # fmt: skip
-    launch(1, *digits, "--output-dir", str(tmp_path))
+    train_pooled(1, *digits, "--output-dir", str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reported = [record["knn_top1"] for record in records if "knn_top1" in record][-1]
     student = SimCLR.from_pretrained(str(tmp_path / "final"))

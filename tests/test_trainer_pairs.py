@@ -18,13 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from launch import (
-    LaunchedRuns,
+    TrainerRuns,
     final_difference,
-    launch,
-    make_sentence_pairs,
-    make_text_model,
     one_chunk,
     one_line_errors,
+    train_pooled,
 )
 
 pytest.importorskip("transformers")
@@ -38,18 +36,13 @@ TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", 
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("text")
-    return {
-        "pairs": str(make_sentence_pairs(root / "pairs.jsonl", 25)),
-        "model": str(make_text_model(root / "bert", dropout=0.1)),
-        "no_pad": str(make_text_model(root / "bert-no-pad", pad_token=False)),
-    }
+def data(sentence_pairs, tiny_bert, tiny_bert_without_pad) -> dict[str, str]:
+    return {"pairs": sentence_pairs, "model": tiny_bert, "no_pad": tiny_bert_without_pad}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
-    return LaunchedRuns(tmp_path_factory, *COMMON, "--dataset", data["pairs"],
+    return TrainerRuns(tmp_path_factory, *COMMON, "--dataset", data["pairs"],
                         "--columns", COLUMNS, "--text-model", data["model"])  # fmt: skip
 
 
@@ -106,7 +99,7 @@ def test_the_straight_run_trains_and_says_what_it_changed(runs):
 def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_path):
     straight = runs(1, "--save-every", "2")
     resumed = tmp_path / "resumed"
-    launch(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
+    train_pooled(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
            data["model"], "--output-dir", str(resumed),
            "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
     error = final_difference(straight, resumed)
@@ -222,7 +215,7 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
 def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):
     model = data["no_pad"] if flags == "no-pad" else data["model"]
     columns = [] if flags == "no-pad" else flags
-    result = launch(2, *COMMON, "--dataset", data["pairs"], "--text-model", model,
+    result = train_pooled(2, *COMMON, "--dataset", data["pairs"], "--text-model", model,
                     *(columns or ["--columns", COLUMNS]), "--output-dir", str(tmp_path),
                     check=False)  # fmt: skip
     one_line_errors(result, message, 2)

@@ -1,0 +1,53 @@
+"""Session-wide test data, built once and shared by every module that trains on it.
+
+Each fixture writes its files under pytest's temporary root and returns their path as a
+string, as a command line takes it. Tests must not modify them: copy first.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from launch import (
+    WORDS,
+    make_image_folder,
+    make_sentence_pairs,
+    make_text_model,
+    small_labelled_dataset,
+)
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> str:
+    """20 random 10x10 images in 2 classes: with global batches of 6, each epoch ends with
+    a batch of 2, which 3 processes split 1 + 1 + 0 (an idle rank)."""
+    return str(make_image_folder(tmp_path_factory.mktemp("images"), count=20, size=10))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> str:
+    """A 2-layer BERT (hidden 16, dropout 0.1) and its tokenizer, trained on ``WORDS``."""
+    return str(make_text_model(tmp_path_factory.mktemp("bert"), dropout=0.1))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_without_pad(tmp_path_factory) -> str:
+    """The tiny BERT with a tokenizer that has no padding token."""
+    return str(make_text_model(tmp_path_factory.mktemp("bert-no-pad"), pad_token=False))
+
+
+@pytest.fixture(scope="session")
+def sentence_pairs(tmp_path_factory) -> str:
+    """25 rows of anchor, positive and one hard negative, of varied lengths."""
+    return str(make_sentence_pairs(tmp_path_factory.mktemp("text") / "pairs.jsonl", 25))
+
+
+@pytest.fixture(scope="session")
+def captioned_images(tmp_path_factory) -> str:
+    """20 labelled 10x10 images, each with a list of 3 captions (a ``save_to_disk`` folder)."""
+    root = tmp_path_factory.mktemp("image-text")
+    dataset = small_labelled_dataset(count=20, size=10)
+    captions = [[f"{WORDS[(3 * i + k) % len(WORDS)]} {WORDS[(i + 2 * k) % len(WORDS)]} cat"
+                 for k in range(3)] for i in range(len(dataset))]  # fmt: skip
+    dataset.add_column("caption", captions).save_to_disk(str(root / "data"))
+    return str(root / "data")

@@ -1,0 +1,141 @@
+"""The session's trainer pool is a fresh process for every run, and each method family
+trains under a real ``accelerate launch`` as it does in the pool.
+
+Most trainer runs of the suite go to persistent worker processes (``launch.train_pooled``)
+instead of a new ``accelerate launch`` each. That is only sound if a run cannot see what
+an earlier run in the same worker left behind, and if the pool's ranks are the
+launcher's. Checked here:
+
+- each family (the SimCLR family, the momentum teachers, text pairs and image-text
+  pairs, the last two importing transformers inside the run) once under ``accelerate
+  launch`` on 2 processes, end to end, against the same command in the pool;
+- MoCo with the most state a worker could carry (float64, random augmentations,
+  per-sample dropout, a teacher, a queue, checkpoints) twice in one pool.
+
+Every tensor of every file of ``final/`` equal, 0.0. The control leaks a module-level
+counter into the runs and shows that the same comparison catches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from contrastive_accelerate.testing import run_in_workers
+
+from launch import final_files_difference, launch, train_pooled
+
+FAMILIES = {
+    "simclr": ["--model", "mlp", "--dtype", "float64", "--batch-size", "6", "--augment",
+               "--dropout", "0.1", "--image-size", "8", "--max-steps", "5", "--knn-k", "0"],
+    "moco": ["--method", "moco", "--queue-size", "10", "--model", "mlp", "--image-size", "8",
+             "--dropout", "0.1", "--dtype", "float64", "--batch-size", "6", "--augment",
+             "--lr", "0.1", "--max-steps", "5", "--save-every", "3", "--log-every", "1",
+             "--knn-k", "0"],
+    "text-pairs": ["--dtype", "float64", "--batch-size", "6", "--max-length", "8",
+                   "--max-steps", "5", "--num-workers", "0",
+                   "--columns", "anchor,positive,negative_1"],
+    "image-text": ["--dtype", "float64", "--batch-size", "6", "--max-steps", "5",
+                   "--columns", "image,caption", "--model", "mlp", "--image-size", "8",
+                   "--dropout", "0.1", "--knn-k", "0", "--num-workers", "0",
+                   "--max-length", "8"],
+}  # fmt: skip
+#: The session fixtures each family trains on: its dataset, then its text model if any.
+DATA = {"simclr": ["image_folder"], "moco": ["image_folder"],
+        "text-pairs": ["sentence_pairs", "tiny_bert"],
+        "image-text": ["captioned_images", "tiny_bert"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def family_args(request):
+    """The command line of a family, its data included."""
+
+    def get(family: str) -> list[str]:
+        if "tiny_bert" in DATA[family]:
+            pytest.importorskip("transformers")
+        dataset, *text_model = (request.getfixturevalue(name) for name in DATA[family])
+        args = [*FAMILIES[family], "--dataset", dataset]
+        return args + (["--text-model", *text_model] if text_model else [])
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, family_args):
+    """Each family's run under ``accelerate launch`` on 2 processes, made once."""
+    outputs = {}
+
+    def get(family: str):
+        if family not in outputs:
+            outputs[family] = tmp_path_factory.mktemp(f"launched-{family}")
+            result = launch(2, *family_args(family), "--output-dir", str(outputs[family]))
+            assert "final model:" in result.stdout
+        return outputs[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_launched_run_equals_its_pooled_twin(family, family_args, launched, tmp_path):
+    train_pooled(2, *family_args(family), "--output-dir", str(tmp_path / "pooled"))
+    difference = final_files_difference(launched(family), tmp_path / "pooled")
+    print(f"{family}: accelerate launch vs pool, 2 processes: {difference:.1e}")
+    assert difference == 0.0
+
+
+def repeated_difference(run, args: list[str], root) -> float:
+    """The difference of the same run made twice, one after the other, in one pool."""
+    run(2, *args, "--output-dir", str(root / "first"))
+    run(2, *args, "--output-dir", str(root / "second"))
+    return final_files_difference(root / "first", root / "second")
+
+
+def test_a_run_repeated_in_the_pool_equals_a_fresh_process(family_args, launched, tmp_path):
+    repeated = repeated_difference(train_pooled, family_args("moco"), tmp_path)
+    fresh = final_files_difference(tmp_path / "second", launched("moco"))
+    print(f"pooled twice: {repeated:.1e}; the second vs a launched process: {fresh:.1e}")
+    assert repeated == 0.0 and fresh == 0.0
+
+
+#: Never reset between runs: the leak of the control.
+_runs_so_far = itertools.count()
+
+
+def leaky_run(num_processes: int, *args: str):
+    """A pooled run whose seed counts the runs made before it, as a module-level counter
+    or an unreset generator would leak into a run."""
+    return train_pooled(num_processes, *args, "--seed", str(next(_runs_so_far)))
+
+
+def test_control_a_leaked_counter_is_caught(family_args, tmp_path):
+    repeated = repeated_difference(leaky_run, family_args("moco"), tmp_path)
+    print(f"leaked counter: pooled twice {repeated:.1e}")
+    assert repeated > 1e-3
+
+
+def _sleep_on_rank_one(rank: int, world_size: int, seconds: float) -> int:
+    if rank == 1:
+        time.sleep(seconds)
+    return rank
+
+
+def test_a_hung_rank_fails_within_the_timeout_and_the_next_run_gets_fresh_workers(
+    family_args, tmp_path
+):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no result from ranks \[1\] in 3 s"):
+        run_in_workers(_sleep_on_rank_one, 2, 600.0, timeout_s=3)
+    waited = time.monotonic() - started
+    print(f"a rank hung: failed after {waited:.1f} s (timeout 3 s)")
+    assert waited < 30
+    # A pooled trainer run that does not finish in time: the same, naming its ranks.
+    args = family_args("moco")
+    with pytest.raises(TimeoutError, match=r"no result from ranks \[0, 1\] in 2 s"):
+        train_pooled(2, *args, "--max-steps", "100000", "--output-dir", str(tmp_path / "hung"),
+                     timeout=2)  # fmt: skip
+    # Fresh workers serve the next run, on the same world size.
+    assert run_in_workers(_sleep_on_rank_one, 2, 0.0) == [0, 1]
+    train_pooled(2, *args, "--output-dir", str(tmp_path / "next"))
+    assert (tmp_path / "next" / "final" / "model.safetensors").exists()
