@@ -442,6 +442,13 @@ class RunDirectory:
             reason = _reason(error)
             raise CheckpointError(f"cannot create --output-dir {self.path!r}: {reason}") from None
         self._lock()
+        try:
+            return self._resume_point(resume_from, overwrite)
+        except BaseException:  # a refused run must not keep the directory locked
+            self.release()
+            raise
+
+    def _resume_point(self, resume_from: str | None, overwrite: bool) -> str | None:
         for name in os.listdir(self.path):  # leftovers of a run killed mid-save
             if name.startswith(".") and name.endswith((".partial", ".replaced")):
                 shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)

@@ -161,6 +161,23 @@ def test_output_directory_rules(tmp_path):
         RunDirectory(str(tmp_path / "a-file")).claim(None, False)
 
 
+def test_a_refused_claim_leaves_the_directory_unlocked(tmp_path):
+    """A pipeline calling train() again in the same process: a run refused for the
+    directory's contents must not keep its lock, or every later run there is refused as
+    "in use" until the process ends."""
+    model, optimizer = _trained("sgd")
+    _save(tmp_path, model, optimizer, step=4)
+    refused = RunDirectory(str(tmp_path))
+    with pytest.raises(CheckpointError, match="already holds another run"):
+        refused.claim(None, False)
+    later = RunDirectory(str(tmp_path))
+    assert later.claim("latest", False) == str(tmp_path / "checkpoint-4")
+    # The control: a claim that succeeded holds the lock until released.
+    with pytest.raises(CheckpointError, match="in use by another run"):
+        RunDirectory(str(tmp_path)).claim("latest", False)
+    later.release()
+
+
 def test_retention_keeps_the_newest(tmp_path):
     model, optimizer = _trained("sgd")
     for step in (1, 2, 3, 10):
