@@ -140,7 +140,8 @@ class _Group:
                     break  # the others wait in a collective for the rank that failed
                 missing = sorted(set(range(self.world_size)) - set(by_rank))
                 returned = "".join(
-                    f"\nrank {rank} returned: {str(value)[-1000:]}" for rank, value in by_rank.items()
+                    f"\nrank {done} returned: {str(value)[-1000:]}"
+                    for done, value in by_rank.items()
                 )
                 raise TimeoutError(
                     f"no result from ranks {missing} in {timeout_s:g} s{returned}"
