@@ -58,6 +58,11 @@ from contrastive_accelerate.compat import TorchDispatchMode
 # collective fails the test instead of the run.
 COLLECTIVE_TIMEOUT_S = 60
 JOIN_TIMEOUT_S = 180
+# A worker holds torch, accelerate and datasets: about 0.7 GB. Two pytest processes, each
+# keeping workers of every size for each kind of call, ran a 24 GB machine out of memory.
+# Now both kinds share them, and a process keeps at most this many (1 + 2 + 3), closing
+# the least recently used first.
+MAX_POOLED_WORKERS = 6
 
 
 def free_port() -> int:
@@ -72,33 +77,34 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
 
     ``fn`` must be importable (module level) and return picklable values; tensors
     should be converted to numpy or lists. A failure on any rank raises here with
-    that rank's traceback; a hang raises after ``JOIN_TIMEOUT_S``. The group is shared
+    that rank's traceback; a hang raises after ``JOIN_TIMEOUT_S``. The workers are shared
     by every call with this world size, so a call costs its computation rather than W
-    process starts; a group whose call failed or hung is replaced. ``fn`` therefore
+    process starts; workers whose call failed or hung are replaced. ``fn`` therefore
     finds the process as the previous call left it: seed whatever it draws.
     """
-    group = _shared_group(world_size, COLLECTIVE_TIMEOUT_S)
-    try:
-        return group.run(fn, args, JOIN_TIMEOUT_S)
-    except BaseException:  # a rank raised or hung: the others may wait in a collective
-        _discard_group(world_size, COLLECTIVE_TIMEOUT_S)
-        raise
+    return _run(fn, world_size, args, JOIN_TIMEOUT_S, (free_port(), COLLECTIVE_TIMEOUT_S))
 
 
 def run_in_workers(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = JOIN_TIMEOUT_S
 ) -> list[Any]:
     """``run_on_ranks`` for code that makes its own process group: the same persistent
-    worker processes (spawned once per world size, replaced after a failure or a hang),
-    but they join no group, so that ``fn`` can launch a whole run in each, as torchrun
-    would (a training script's ``Accelerator`` makes the group and ends it). ``fn`` is
-    called as ``fn(rank, world_size, *args)``; pass it a fresh port for its rendezvous.
+    worker processes, but without a process group, so that ``fn`` can launch a whole
+    run in each, as torchrun would (a training script's ``Accelerator`` makes the group
+    and ends it). ``fn`` is called as ``fn(rank, world_size, *args)``; pass it a fresh
+    port for its rendezvous.
     """
-    workers = _shared_group(world_size, None)
+    return _run(fn, world_size, args, timeout_s, None)
+
+
+def _run(
+    fn, world_size: int, args: tuple, timeout_s: float, rendezvous: tuple[int, float] | None
+) -> list[Any]:
+    workers = _shared_workers(world_size)
     try:
-        return workers.run(fn, args, timeout_s)
-    except BaseException:
-        _discard_group(world_size, None)
+        return workers.run(fn, args, timeout_s, rendezvous)
+    except BaseException:  # a rank raised or hung: the others may wait in a collective
+        _discard_workers(world_size)
         raise
 
 
@@ -106,29 +112,33 @@ _FAILURE_GRACE_S = 5.0
 _TRANSPORT = re.compile(r"gloo|Connection (reset|closed)|pair\.cc|Timed out", re.I)
 
 
-class _Group:
-    """W worker processes joined in a gloo group (none when ``collective_timeout_s`` is
-    None), serving calls until closed."""
+class _Workers:
+    """W worker processes serving calls until closed."""
 
-    def __init__(self, world_size: int, collective_timeout_s: float | None) -> None:
+    def __init__(self, world_size: int) -> None:
         context = mp.get_context("spawn")
         self.world_size = world_size
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
-        port = free_port()
         self.processes = [
-            context.Process(
-                target=_serve,
-                args=(rank, world_size, port, collective_timeout_s, self.tasks[rank], self.results),
-            )
+            context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.results))
             for rank in range(world_size)
         ]
         for process in self.processes:
             process.start()
 
-    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        timeout_s: float,
+        rendezvous: tuple[int, float] | None,
+    ) -> list[Any]:
+        """``fn`` on every rank: in a gloo group with the collective timeout of
+        ``rendezvous = (port, seconds)``, made at that port unless the workers are in
+        such a group of their own already; in none when ``rendezvous`` is None."""
         for tasks in self.tasks:
-            tasks.put((fn, args))
+            tasks.put((fn, args, rendezvous))
         by_rank: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
@@ -161,6 +171,10 @@ class _Group:
     def alive(self) -> bool:
         return all(process.is_alive() for process in self.processes)
 
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
+
     def close(self) -> None:
         for tasks in self.tasks:
             tasks.put(None)
@@ -170,58 +184,95 @@ class _Group:
                 process.kill()
 
 
-def _serve(rank, world_size, port, collective_timeout_s, tasks, results) -> None:
+def _serve(rank: int, world_size: int, tasks, results) -> None:
     import torch.distributed as dist
 
+    parent = os.getppid()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    own = None  # the gloo group this worker made for run_on_ranks' calls
     try:
-        if collective_timeout_s is not None:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=collective_timeout_s),
-            )
-        while (task := tasks.get()) is not None:
-            fn, args = task
+        while (task := _next_task(tasks, parent)) is not None:
+            fn, args, rendezvous = task
             try:
+                own = _default_group(own, rendezvous, rank, world_size)
                 results.put((rank, True, fn(rank, world_size, *args)))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-# One group per world size for a whole test session: a check costs its computation,
-# not W process starts and a rendezvous. A group that failed or hung is replaced.
-_GROUPS: dict[tuple[int, float | None], _Group] = {}
+def _default_group(own, rendezvous: tuple[int, float] | None, rank: int, world_size: int):
+    """Make the default process group this worker's own gloo group ``own = (group,
+    timeout)``, made anew at ``rendezvous = (port, timeout)`` if a call since has ended
+    or replaced it or if it has another timeout; or no group for a call that makes its
+    own (``rendezvous`` None). Every rank gets the same calls, so all agree."""
+    import torch.distributed as dist
+
+    current = dist.group.WORLD if dist.is_initialized() else None
+    kept = own is not None and current is own[0] and rendezvous is not None
+    if kept and own[1] == rendezvous[1]:
+        return own
+    if current is not None:
+        dist.destroy_process_group()
+    if rendezvous is None:
+        return None
+    port, timeout_s = rendezvous
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.group.WORLD, timeout_s
 
 
-def _shared_group(world_size: int, timeout_s: float | None) -> _Group:
-    key = (world_size, timeout_s)
-    group = _GROUPS.get(key)
-    if group is None or not group.alive():
-        group = _GROUPS[key] = _Group(world_size, timeout_s)
-    return group
+_PARENT_POLL_S = 5.0
 
 
-def _discard_group(world_size: int, timeout_s: float | None) -> None:
-    group = _GROUPS.pop((world_size, timeout_s), None)
-    if group is not None:
-        for process in group.processes:
-            process.kill()
+def _next_task(tasks, parent: int):
+    """The next task, or None once the process that started this worker is gone (a
+    killed pytest must not leave its workers holding memory)."""
+    while True:
+        try:
+            return tasks.get(timeout=_PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+# One set of workers per world size for a whole test session, serving both kinds of
+# calls: a check costs its computation, not W process starts. Workers that failed or hung
+# are replaced. Ordered from least to most recently used.
+_WORKERS: dict[int, _Workers] = {}
+
+
+def _shared_workers(world_size: int) -> _Workers:
+    workers = _WORKERS.pop(world_size, None)
+    if workers is None or not workers.alive():
+        if workers is not None:
+            workers.kill()
+        while _WORKERS and sum(_WORKERS) + world_size > MAX_POOLED_WORKERS:
+            _WORKERS.pop(next(iter(_WORKERS))).close()
+        workers = _Workers(world_size)
+    _WORKERS[world_size] = workers
+    return workers
+
+
+def _discard_workers(world_size: int) -> None:
+    workers = _WORKERS.pop(world_size, None)
+    if workers is not None:
+        workers.kill()
 
 
 @atexit.register
-def _close_groups() -> None:
-    for group in _GROUPS.values():
-        group.close()
-    _GROUPS.clear()
+def _close_workers() -> None:
+    for workers in _WORKERS.values():
+        workers.close()
+    _WORKERS.clear()
 
 
 @dataclass
@@ -295,20 +346,23 @@ def assert_loss_invariant(
             if sum(sizes) != total or len(sizes) != world_size:
                 raise ValueError(f"split {sizes} does not give {total} rows to {world_size} ranks")
             reference = _evaluate(make_loss, make_inputs, dtype, sizes, None)
-            group = _shared_group(world_size, timeout_s)
+            workers = _shared_workers(world_size)
             try:
-                per_rank = group.run(
-                    _check_on_rank, (make_loss, make_inputs, dtype, sizes), timeout_s + 30
+                per_rank = workers.run(
+                    _check_on_rank,
+                    (make_loss, make_inputs, dtype, sizes),
+                    timeout_s + 30,
+                    (free_port(), timeout_s),
                 )
             except TimeoutError as error:
-                _discard_group(world_size, timeout_s)
+                _discard_workers(world_size)
                 raise AssertionError(
                     f"rows {sizes}: the loss did not finish within {timeout_s:g} s on "
                     f"{world_size} processes ({error}): a collective is waiting for a rank "
                     "that never joins it"
                 ) from None
-            except RuntimeError as error:  # a rank raised; the group may be stuck: replace it
-                _discard_group(world_size, timeout_s)
+            except RuntimeError as error:  # a rank raised; a peer may be stuck: replace them
+                _discard_workers(world_size)
                 report.splits.append(SplitFigures(list(sizes), {}, raised=_last_line(error)))
                 continue
             report.splits.append(_compare(reference, per_rank, sizes))

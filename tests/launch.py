@@ -12,6 +12,7 @@ tests/README.md for the list).
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import random
 import signal
@@ -175,8 +176,9 @@ def fresh_process_state(rank: int, world_size: int, port: int) -> None:
     """Put this worker back where a process that torchrun (or, for one process, python)
     starts would be: the environment of the pool's start plus the launcher's rank
     variables, no process group, no Accelerate state, torch's global defaults, the
-    seeds and signal handlers of a new interpreter. Everything the trainer keeps in
-    module-level state lives only for one run (``StepChecks``, ``StopSignals``).
+    seeds, signal handlers and multiprocessing start method of a new interpreter.
+    Everything the trainer keeps in module-level state lives only for one run
+    (``StepChecks``, ``StopSignals``).
     ``tests/test_pool.py`` proves it: a run repeated in one worker equals a fresh
     process's, 0.0."""
     import torch
@@ -205,6 +207,10 @@ def fresh_process_state(rank: int, world_size: int, port: int) -> None:
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
+    # A process that multiprocessing spawned defaults to spawning its own children: the
+    # loader's workers would import torch and pytest again (6 s a run). A new interpreter
+    # forks them (the platform's default start method is the first listed).
+    multiprocessing.set_start_method(multiprocessing.get_all_start_methods()[0], force=True)
     torch.set_num_threads(_FRESH["threads"])
     torch.set_default_dtype(_FRESH["dtype"])
     torch.set_grad_enabled(True)

@@ -1,7 +1,8 @@
 """``--accumulation-chunks`` and per-sample dropout under a real ``accelerate launch``.
 
 ViT-Tiny with dropout 0.1, stochastic depth 0.2 (``--drop-path``) and augmentations,
-float64, the same command line on
+float64, on 4-pixel images (17 tokens: what is checked is where each mask comes from,
+not the sequence length), the same command line on
 (processes, chunks) = (1, 1), (1, 4), (2, 2) and (3, 1): one model. 14 images in global
 batches of 12 make the second batch 2 pairs, so (3, 1) has an idle rank and (1, 4),
 (2, 2) have empty chunks. The negative controls keep torch's nn.Dropout and
@@ -25,7 +26,7 @@ VIT = [
     "--drop-path",
     "0.2",
     "--image-size",
-    "8",
+    "4",
     "--dtype",
     "float64",
     "--batch-size",

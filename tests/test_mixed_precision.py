@@ -240,7 +240,12 @@ def test_sync_batchnorm_keeps_float32_buffers_for_bf16_input_without_autocast():
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
-    """Final models and logged losses of short bf16 launches, keyed by (model, processes)."""
+    """Final models and logged losses of short bf16 launches, keyed by (model, processes).
+
+    Small on purpose: a CPU without native bf16 (no AVX-512) computes bf16 convolutions'
+    and matrix products' backward in slow reference kernels, several seconds a step for
+    ResNet-18 on 8-pixel digits, so the batch is 4 and ViT-Tiny sees 4-pixel images
+    (17 tokens instead of 65)."""
     cache: dict[tuple, tuple[str, list[float]]] = {}
 
     def get(model: str, processes: int, *extra: str) -> tuple[str, list[float]]:
@@ -248,7 +253,7 @@ def bf16_runs(tmp_path_factory):
             output = tmp_path_factory.mktemp(f"bf16-{model}-{processes}")
             launch(
                 processes,
-                *("--model", model, "--batch-size", "8", "--max-steps", "3", "--log-every", "1"),
+                *("--model", model, "--batch-size", "4", "--max-steps", "3", "--log-every", "1"),
                 *("--knn-k", "0", "--output-dir", str(output), *extra),
                 launcher_flags=["--mixed_precision", "bf16"],
             )
@@ -273,8 +278,10 @@ def test_trainer_runs_bf16_on_one_and_two_processes(bf16_runs, model):
 
 def test_trainer_runs_bf16_vit_with_dropout_and_chunks(bf16_runs):
     """Gradient caching under autocast: bf16 embeddings, float32 loss, bf16 cached gradients."""
-    one, one_losses = bf16_runs("vit_tiny", 1)
-    chunked, chunked_losses = bf16_runs("vit_tiny", 2, "--accumulation-chunks", "2")
+    one, one_losses = bf16_runs("vit_tiny", 1, "--image-size", "4")
+    chunked, chunked_losses = bf16_runs(
+        "vit_tiny", 2, "--image-size", "4", "--accumulation-chunks", "2"
+    )
     assert len(one_losses) == len(chunked_losses) == 3
     assert all(math.isfinite(loss) for loss in one_losses + chunked_losses)
     print(f"vit_tiny bf16: 1 process vs 2 x 2 chunks max abs diff {max_abs_diff(one, chunked):.3e}")

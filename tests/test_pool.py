@@ -19,13 +19,18 @@ counter into the runs and shows that the same comparison catches it.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
-from contrastive_accelerate.testing import run_in_workers
+from contrastive_accelerate.testing import MAX_POOLED_WORKERS, run_in_workers, run_on_ranks
 
-from launch import final_files_difference, launch, train_pooled
+from launch import ENV, REPO, final_files_difference, launch, train_pooled
 
 FAMILIES = {
     "simclr": ["--model", "mlp", "--dtype", "float64", "--batch-size", "6", "--augment",
@@ -139,3 +144,55 @@ def test_a_hung_rank_fails_within_the_timeout_and_the_next_run_gets_fresh_worker
     assert run_in_workers(_sleep_on_rank_one, 2, 0.0) == [0, 1]
     train_pooled(2, *args, "--output-dir", str(tmp_path / "next"))
     assert (tmp_path / "next" / "final" / "model.safetensors").exists()
+
+
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def test_checks_and_trainer_runs_share_workers_within_a_budget():
+    """One set of workers per world size serves both kinds of calls, and the least
+    recently used are closed when a new world size would exceed the budget."""
+    shared = run_in_workers(_pid, 2)
+    assert run_on_ranks(_pid, 2) == shared == run_in_workers(_pid, 2)
+    most = 0
+    for world_size in (1, 2, 3, 4, 1):
+        assert len(run_on_ranks(_pid, world_size)) == world_size
+        most = max(most, len(multiprocessing.active_children()))
+    print(f"most live workers: {most} (budget {MAX_POOLED_WORKERS})")
+    assert most <= MAX_POOLED_WORKERS
+
+
+ORPHANING_SCRIPT = """
+import time
+from contrastive_accelerate.testing import run_on_ranks
+from test_pool import _pid
+print(*run_on_ranks(_pid, 2), flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_workers_exit_when_the_process_that_started_them_is_killed():
+    """A pytest killed by CI's timeout or the OOM killer must not leave its pools behind."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ORPHANING_SCRIPT], stdout=subprocess.PIPE, text=True,
+        cwd=REPO / "tests", env={**ENV, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        workers = [int(pid) for pid in parent.stdout.readline().split()]
+    finally:
+        parent.kill()
+        parent.wait()
+    assert len(workers) == 2
+    killed = time.monotonic()
+    while not all(_gone(pid) for pid in workers) and time.monotonic() - killed < 60:
+        time.sleep(0.5)
+    print(f"orphaned workers exited {time.monotonic() - killed:.1f} s after their parent")
+    assert all(_gone(pid) for pid in workers)
