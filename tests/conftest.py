@@ -6,15 +6,48 @@ string, as a command line takes it. Tests must not modify them: copy first.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from launch import (
+    TEST_ENVIRONMENT,
     WORDS,
     make_image_folder,
     make_sentence_pairs,
     make_text_model,
     small_labelled_dataset,
 )
+
+#: The modules that take minutes, in the order pytest-xdist hands them out first (whole
+#: modules, ``--dist loadfile --no-loadscope-reorder``): the longest started first, the
+#: short ones fill in, so the two pytest processes end together. Order only: a module
+#: missing here runs all the same, after these.
+LONGEST_FIRST = [
+    "test_trainer_momentum.py",
+    "test_invariance_kit.py",
+    "test_fault_tolerance.py",
+    "test_pool.py",
+    "test_host_syncs.py",
+    "test_invariance.py",
+    "test_compile.py",
+    "test_trainer.py",
+    "test_pipeline.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module keeps its own order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The processes the suite starts inherit ``TEST_ENVIRONMENT``: the launches, and the
+    pooled workers, whether a check or a trainer run starts them."""
+    os.environ.update(TEST_ENVIRONMENT)
 
 
 @pytest.fixture(scope="session")

@@ -113,18 +113,24 @@ def train_pooled(
     *trainer_args: str,
     timeout: int = LAUNCH_TIMEOUT_S,
     check: bool = True,
+    environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``trainer.py ARGS`` on ``num_processes`` ranks of the session's worker pool: what
     ``launch`` returns (the exit code of the first rank that failed, every rank's output
     in rank order) without starting a process. A run that hangs fails after ``timeout``
-    seconds, naming the ranks that never returned, and the next run gets fresh workers."""
+    seconds, naming the ranks that never returned, and the next run gets fresh workers.
+    ``environment``: what the launcher's flags would add to ``ENV`` (``accelerate launch
+    --mixed_precision bf16`` sets ``ACCELERATE_MIXED_PRECISION=bf16``)."""
     from contrastive_accelerate.testing import free_port, run_in_workers
 
-    port = free_port()
-    with _environment(ENV):  # what a new pool's workers inherit: the launcher's variables
-        per_rank = run_in_workers(
-            _trainer_main, num_processes, port, list(trainer_args), timeout_s=timeout
-        )
+    per_rank = run_in_workers(
+        _trainer_main,
+        num_processes,
+        free_port(),
+        list(trainer_args),
+        {**ENV, **(environment or {})},
+        timeout_s=timeout,
+    )
     codes = [code for code, _, _ in per_rank]
     result = subprocess.CompletedProcess(
         ["trainer.py", *trainer_args],
@@ -140,23 +146,14 @@ def train_pooled(
     return result
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = dict(os.environ)
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _trainer_main(rank: int, world_size: int, port: int, argv: list[str]) -> tuple[int, str, str]:
+def _trainer_main(
+    rank: int, world_size: int, port: int, argv: list[str], environment: dict[str, str]
+) -> tuple[int, str, str]:
     """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state,
     with its exit code and what it wrote to stdout and stderr."""
     import trainer
 
-    fresh_process_state(rank, world_size, port)
+    fresh_process_state(rank, world_size, port, environment)
     with _captured_output() as output:
         try:
             trainer.main(argv)
@@ -172,13 +169,12 @@ def _trainer_main(rank: int, world_size: int, port: int, argv: list[str]) -> tup
 _FRESH: dict = {}
 
 
-def fresh_process_state(rank: int, world_size: int, port: int) -> None:
+def fresh_process_state(rank: int, world_size: int, port: int, environment: dict[str, str]) -> None:
     """Put this worker back where a process that torchrun (or, for one process, python)
-    starts would be: the environment of the pool's start plus the launcher's rank
-    variables, no process group, no Accelerate state, torch's global defaults, the
-    seeds, signal handlers and multiprocessing start method of a new interpreter.
-    Everything the trainer keeps in module-level state lives only for one run
-    (``StepChecks``, ``StopSignals``).
+    starts would be: ``environment`` plus the launcher's rank variables, no process
+    group, no Accelerate state, torch's global defaults, the seeds, signal handlers and
+    multiprocessing start method of a new interpreter. Everything the trainer keeps in
+    module-level state lives only for one run (``StepChecks``, ``StopSignals``).
     ``tests/test_pool.py`` proves it: a run repeated in one worker equals a fresh
     process's, 0.0."""
     import torch
@@ -187,7 +183,6 @@ def fresh_process_state(rank: int, world_size: int, port: int) -> None:
 
     if not _FRESH:  # the first call: the worker as spawned
         _FRESH.update(
-            environ=dict(os.environ),
             threads=torch.get_num_threads(),
             dtype=torch.get_default_dtype(),
             signals={s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)},
@@ -201,7 +196,7 @@ def fresh_process_state(rank: int, world_size: int, port: int) -> None:
     PartialState._reset_state()
     GradientState._reset_state()
     os.environ.clear()
-    os.environ.update(_FRESH["environ"])
+    os.environ.update(environment)
     if world_size > 1:  # what torchrun sets for each worker
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -278,14 +273,22 @@ def launch_command(
     ]
 
 
-ENV = {
-    **os.environ,
+#: What every process the suite starts runs with (``conftest.py`` puts it into the
+#: session's environment, so that pooled workers start with it whichever call starts them):
+#: nothing downloads, one thread per process, no progress bars and no warnings in the
+#: output that tests read.
+TEST_ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
     "TQDM_DISABLE": "1",
     "PYTHONWARNINGS": "ignore",
 }
+ENV = {**os.environ, **TEST_ENVIRONMENT}
+#: What ``accelerate launch --mixed_precision bf16`` adds to the environment of the
+#: processes it starts (``train_pooled(..., environment=LAUNCHER_BF16)``);
+#: ``test_mixed_precision.py`` checks that the two train the same model.
+LAUNCHER_BF16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}
 
 
 def launch_script(

@@ -30,7 +30,7 @@ from contrastive_accelerate.collectives import gather
 from contrastive_accelerate.testing import run_on_ranks
 from models import SyncBatchNorm, convert_sync_batchnorm
 
-from launch import launch
+from launch import LAUNCHER_BF16, launch, train_pooled
 from loss_cases import CASES, call
 
 TEMPERATURE = 0.1  # a small temperature is where bf16 similarities hurt most
@@ -240,7 +240,9 @@ def test_sync_batchnorm_keeps_float32_buffers_for_bf16_input_without_autocast():
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
-    """Final models and logged losses of short bf16 launches, keyed by (model, processes).
+    """Final models and logged losses of short bf16 runs, keyed by (model, processes,
+    extra flags, how): pooled with the launcher's bf16 variable, launched with its flag,
+    or pooled in float32 (the control).
 
     Small on purpose: a CPU without native bf16 (no AVX-512) computes bf16 convolutions'
     and matrix products' backward in slow reference kernels, several seconds a step for
@@ -248,21 +250,38 @@ def bf16_runs(tmp_path_factory):
     (17 tokens instead of 65)."""
     cache: dict[tuple, tuple[str, list[float]]] = {}
 
-    def get(model: str, processes: int, *extra: str) -> tuple[str, list[float]]:
-        if (model, processes, extra) not in cache:
+    def get(
+        model: str, processes: int, *extra: str, how: str = "pooled"
+    ) -> tuple[str, list[float]]:
+        key = (model, processes, extra, how)
+        if key not in cache:
             output = tmp_path_factory.mktemp(f"bf16-{model}-{processes}")
-            launch(
-                processes,
+            args = (
                 *("--model", model, "--batch-size", "4", "--max-steps", "3", "--log-every", "1"),
                 *("--knn-k", "0", "--output-dir", str(output), *extra),
-                launcher_flags=["--mixed_precision", "bf16"],
             )
+            if how == "launched":
+                launch(processes, *args, launcher_flags=["--mixed_precision", "bf16"])
+            else:
+                train_pooled(processes, *args, environment=LAUNCHER_BF16 if how == "pooled" else {})
             records = [json.loads(line) for line in (output / "metrics.jsonl").open()]
             losses = [record["loss"] for record in records if "loss" in record]
-            cache[model, processes, extra] = (str(output / "final"), losses)
-        return cache[model, processes, extra]
+            cache[key] = (str(output / "final"), losses)
+        return cache[key]
 
     return get
+
+
+def test_the_launchers_bf16_flag_is_what_the_pooled_bf16_runs_get(bf16_runs):
+    """``--mixed_precision bf16`` from the launcher: the same model as the pooled run that
+    gets the launcher's variable, and not the float32 model (the control)."""
+    launched, _ = bf16_runs("mlp", 2, how="launched")
+    pooled, _ = bf16_runs("mlp", 2)
+    float32, _ = bf16_runs("mlp", 2, how="float32")
+    same, control = max_abs_diff(launched, pooled), max_abs_diff(launched, float32)
+    print(f"mlp bf16: launched vs pooled {same:.1e}; vs float32 {control:.1e}")
+    assert same == 0.0
+    assert control > 1e-4
 
 
 @pytest.mark.parametrize("model", ["mlp", "resnet18"])

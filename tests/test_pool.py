@@ -19,7 +19,7 @@ counter into the runs and shows that the same comparison catches it.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 
-from contrastive_accelerate.testing import MAX_POOLED_WORKERS, run_in_workers, run_on_ranks
+from contrastive_accelerate.testing import MAX_POOLED_WORKERS, run_in_workers
 
 from launch import ENV, REPO, final_files_difference, launch, train_pooled
 
@@ -150,26 +150,46 @@ def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-def test_checks_and_trainer_runs_share_workers_within_a_budget():
-    """One set of workers per world size serves both kinds of calls, and the least
-    recently used are closed when a new world size would exceed the budget."""
-    shared = run_in_workers(_pid, 2)
-    assert run_on_ranks(_pid, 2) == shared == run_in_workers(_pid, 2)
-    most = 0
-    for world_size in (1, 2, 3, 4, 1):
-        assert len(run_on_ranks(_pid, world_size)) == world_size
-        most = max(most, len(multiprocessing.active_children()))
-    print(f"most live workers: {most} (budget {MAX_POOLED_WORKERS})")
-    assert most <= MAX_POOLED_WORKERS
-
-
-ORPHANING_SCRIPT = """
-import time
-from contrastive_accelerate.testing import run_on_ranks
+#: A session of its own (pytest's pools stay as they are): both kinds of calls on 2
+#: workers, then world sizes 1, 2, 3, 4 and 1 in turn, counting the live workers. It
+#: prints what it saw and waits to be killed.
+POOL_SCRIPT = """
+import json, multiprocessing, time
+from contrastive_accelerate.testing import run_in_workers, run_on_ranks
 from test_pool import _pid
-print(*run_on_ranks(_pid, 2), flush=True)
+shared = run_in_workers(_pid, 2)
+same = run_on_ranks(_pid, 2) == shared == run_in_workers(_pid, 2)
+most = 0
+for world_size in (1, 2, 3, 4, 1):
+    assert len(run_on_ranks(_pid, world_size)) == world_size
+    most = max(most, len(multiprocessing.active_children()))
+live = [child.pid for child in multiprocessing.active_children()]
+print(json.dumps({"shared": same, "most": most, "live": live}), flush=True)
 time.sleep(600)
 """
+
+
+@pytest.fixture(scope="module")
+def killed_pool_session() -> dict:
+    """What ``POOL_SCRIPT`` saw, and when it was killed (SIGKILL: no atexit runs)."""
+    session = subprocess.Popen(
+        [sys.executable, "-c", POOL_SCRIPT], stdout=subprocess.PIPE, text=True,
+        cwd=REPO / "tests", env={**ENV, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        seen = json.loads(session.stdout.readline())
+    finally:
+        session.kill()
+        session.wait()
+    return {**seen, "killed": time.monotonic()}
+
+
+def test_checks_and_trainer_runs_share_workers_within_a_budget(killed_pool_session):
+    """One set of workers per world size serves both kinds of calls, and the least
+    recently used are closed when a new world size would exceed the budget."""
+    assert killed_pool_session["shared"]
+    print(f"most live workers: {killed_pool_session['most']} (budget {MAX_POOLED_WORKERS})")
+    assert killed_pool_session["most"] <= MAX_POOLED_WORKERS
 
 
 def _gone(pid: int) -> bool:
@@ -179,19 +199,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_workers_exit_when_the_process_that_started_them_is_killed():
+def test_workers_exit_when_the_process_that_started_them_is_killed(killed_pool_session):
     """A pytest killed by CI's timeout or the OOM killer must not leave its pools behind."""
-    parent = subprocess.Popen(
-        [sys.executable, "-c", ORPHANING_SCRIPT], stdout=subprocess.PIPE, text=True,
-        cwd=REPO / "tests", env={**ENV, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    try:
-        workers = [int(pid) for pid in parent.stdout.readline().split()]
-    finally:
-        parent.kill()
-        parent.wait()
-    assert len(workers) == 2
-    killed = time.monotonic()
+    workers, killed = killed_pool_session["live"], killed_pool_session["killed"]
+    assert workers
     while not all(_gone(pid) for pid in workers) and time.monotonic() - killed < 60:
         time.sleep(0.5)
     print(f"orphaned workers exited {time.monotonic() - killed:.1f} s after their parent")

@@ -22,7 +22,14 @@ from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.knn import knn_data, knn_top1
 from models import SimCLR
 
-from launch import TrainerRuns, launch, make_image_folder, one_line_errors, train_pooled
+from launch import (
+    LAUNCHER_BF16,
+    TrainerRuns,
+    launch,
+    make_image_folder,
+    one_line_errors,
+    train_pooled,
+)
 
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--augment", "--lr", "0.1",
@@ -160,8 +167,8 @@ def test_gradient_caching_chunks_leave_moco_unchanged(runs):
 
 
 def test_the_teacher_stays_float32_under_bf16_mixed_precision(images, tmp_path):
-    launch(1, *COMMON, "--dataset", images, *MOCO, "--dtype", "float32", "--output-dir",
-           str(tmp_path), launcher_flags=["--mixed_precision", "bf16"])  # fmt: skip
+    train_pooled(1, *COMMON, "--dataset", images, *MOCO, "--dtype", "float32", "--output-dir",
+                 str(tmp_path), environment=LAUNCHER_BF16)  # fmt: skip
     state = load_file(str(tmp_path / "final" / "method.safetensors"))
     assert {tensor.dtype for tensor in state.values() if tensor.is_floating_point()} == {
         torch.float32
