@@ -103,8 +103,9 @@ def _run(
     workers = _shared_workers(world_size)
     try:
         return workers.run(fn, args, timeout_s, rendezvous)
-    except BaseException:  # a rank raised or hung: the others may wait in a collective
-        _discard_workers(world_size)
+    except BaseException:
+        if not workers.reusable:
+            _discard_workers(world_size)
         raise
 
 
@@ -113,11 +114,18 @@ _TRANSPORT = re.compile(r"gloo|Connection (reset|closed)|pair\.cc|Timed out", re
 
 
 class _Workers:
-    """W worker processes serving calls until closed."""
+    """W worker processes serving calls until closed.
+
+    After a call that failed, ``reusable`` says whether they can serve the next: only if
+    it was a check in their gloo group and every rank came back (its own error, or a
+    result); that group is then made anew, since a collective may have been cut short.
+    Workers of a call that hung, or of a trainer run that raised, are replaced."""
 
     def __init__(self, world_size: int) -> None:
         context = mp.get_context("spawn")
         self.world_size = world_size
+        self.reusable = True
+        self.stale_group = False
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
         self.processes = [
@@ -137,8 +145,10 @@ class _Workers:
         """``fn`` on every rank: in a gloo group with the collective timeout of
         ``rendezvous = (port, seconds)``, made at that port unless the workers are in
         such a group of their own already; in none when ``rendezvous`` is None."""
+        self.reusable = False
         for tasks in self.tasks:
-            tasks.put((fn, args, rendezvous))
+            tasks.put((fn, args, rendezvous, self.stale_group))
+        self.stale_group = False
         by_rank: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
@@ -163,9 +173,12 @@ class _Workers:
                 # A peer's own error follows within moments; a stuck one never comes.
                 deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
         if failures:
+            every_rank_back = len(by_rank) + len(failures) == self.world_size
+            self.reusable = self.stale_group = every_rank_back and rendezvous is not None
             # The rank whose own code failed, rather than one that lost its peer.
             rank = min(failures, key=lambda r: (_TRANSPORT.search(failures[r]) is not None, r))
             raise RuntimeError(f"rank {rank} failed:\n{failures[rank]}")
+        self.reusable = True
         return [by_rank[rank] for rank in range(self.world_size)]
 
     def alive(self) -> bool:
@@ -193,9 +206,9 @@ def _serve(rank: int, world_size: int, tasks, results) -> None:
     own = None  # the gloo group this worker made for run_on_ranks' calls
     try:
         while (task := _next_task(tasks, parent)) is not None:
-            fn, args, rendezvous = task
+            fn, args, rendezvous, stale = task
             try:
-                own = _default_group(own, rendezvous, rank, world_size)
+                own = _default_group(None if stale else own, rendezvous, rank, world_size)
                 results.put((rank, True, fn(rank, world_size, *args)))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
@@ -362,7 +375,8 @@ def assert_loss_invariant(
                     "that never joins it"
                 ) from None
             except RuntimeError as error:  # a rank raised; a peer may be stuck: replace them
-                _discard_workers(world_size)
+                if not workers.reusable:
+                    _discard_workers(world_size)
                 report.splits.append(SplitFigures(list(sizes), {}, raised=_last_line(error)))
                 continue
             report.splits.append(_compare(reference, per_rank, sizes))

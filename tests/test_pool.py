@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 
-from contrastive_accelerate.testing import MAX_POOLED_WORKERS, run_in_workers
+from contrastive_accelerate.testing import MAX_POOLED_WORKERS, run_in_workers, run_on_ranks
 
 from launch import ENV, REPO, final_files_difference, launch, train_pooled
 
@@ -148,6 +148,32 @@ def test_a_hung_rank_fails_within_the_timeout_and_the_next_run_gets_fresh_worker
 
 def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one's own error")
+    return os.getpid()
+
+
+def _summed_pid(rank: int, world_size: int) -> tuple[int, int]:
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return os.getpid(), int(total)
+
+
+def test_a_check_that_raises_on_a_rank_keeps_its_workers_in_a_new_group():
+    """Every rank came back, so no worker is stuck: the next check runs on the same
+    processes (no imports again) in a group made anew, and its collectives work."""
+    before = [pid for pid, _ in run_on_ranks(_summed_pid, 2)]
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        run_on_ranks(_fail_on_rank_one, 2)
+    after = run_on_ranks(_summed_pid, 2)
+    assert [pid for pid, _ in after] == before
+    assert [total for _, total in after] == [3, 3]
 
 
 #: A session of its own (pytest's pools stay as they are): both kinds of calls on 2
