@@ -47,7 +47,11 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
     except ImportError:
         raise TextError("--text-model needs transformers: pip install -e '.[text]'") from None
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+        # False, not None: with None, transformers asks on standard input whether to run
+        # a folder's own code (auto_map), and runs it on "y".
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            name_or_path, trust_remote_code=False
+        )
         encoder = transformers.AutoModel.from_pretrained(
             name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
         )

@@ -1,0 +1,93 @@
+"""Loading never executes code: a ``--text-model`` folder that ships code of its own (an
+``auto_map`` and a ``.py``) trains with transformers' own classes, and its code never runs,
+even with ``y`` waiting on standard input (issue 37 saw a prompt there run it on ``y``).
+The control loads the same folder with ``trust_remote_code=True``: its code runs then. A
+scan holds every ``from_pretrained`` of the project to ``trust_remote_code=False``."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch import ENV, REPO, launch_command
+
+pytest.importorskip("transformers")
+
+#: The folder's code: it leaves a marker file when imported.
+PLANTED = """import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+from transformers import PreTrainedTokenizerFast
+
+
+class PlantedTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+@pytest.fixture(scope="module")
+def folder_with_code(tmp_path_factory, tiny_bert):
+    """The tiny BERT whose tokenizer config points AutoTokenizer at ``planted.py``; and
+    where that code leaves its marker."""
+    root = tmp_path_factory.mktemp("remote_code")
+    folder, marker = root / "model", root / "marker"
+    shutil.copytree(tiny_bert, folder)
+    (folder / "planted.py").write_text(PLANTED.format(marker=str(marker)))
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoTokenizer": ["planted.PlantedTokenizer"] * 2}
+    config_file.write_text(json.dumps(config))
+    return folder, marker
+
+
+def test_a_text_model_folders_own_code_never_runs(folder_with_code, sentence_pairs, tmp_path):
+    folder, marker = folder_with_code
+    command = launch_command(
+        1, REPO / "trainer.py", "--dataset", sentence_pairs, "--columns", "anchor,positive",
+        "--text-model", str(folder), "--max-steps", "1", "--output-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    result = subprocess.run(
+        command, input="y\n" * 10, capture_output=True, text=True, timeout=300, env=ENV
+    )
+    print(f"exit {result.returncode}; the folder's code ran: {marker.exists()}")
+    assert not marker.exists()
+    # transformers falls back to the tokenizer class the folder names (tokenizer_class),
+    # which is a class of its own: the run trains without the planted code.
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_control_trusting_remote_code_runs_the_folders_code(folder_with_code, tmp_path):
+    folder, marker = folder_with_code
+    load = (
+        "from transformers import AutoTokenizer; "
+        f"AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)"
+    )
+    # transformers copies remote code into HF_MODULES_CACHE: keep it in the test's folder.
+    env = {**ENV, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    subprocess.run([sys.executable, "-c", load], check=True, timeout=300, env=env)
+    assert marker.exists()
+    marker.unlink()
+
+
+def _from_pretrained_calls():
+    """Every ``*.from_pretrained(...)`` call in the project's own code."""
+    files = [REPO / "trainer.py"]
+    for package in ("contrastive_accelerate", "losses", "models"):
+        files += sorted((REPO / package).rglob("*.py"))
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "from_pretrained":
+                yield f"{path.relative_to(REPO)}:{node.lineno}", node
+
+
+def test_every_from_pretrained_refuses_remote_code():
+    calls = list(_from_pretrained_calls())
+    assert calls  # the scan sees the loading code
+    for where, call in calls:
+        keywords = {k.arg: k.value for k in call.keywords}
+        trust = keywords.get("trust_remote_code")
+        assert isinstance(trust, ast.Constant) and trust.value is False, where
