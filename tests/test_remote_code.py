@@ -1,8 +1,9 @@
 """Loading never executes code: a ``--text-model`` folder that ships code of its own (an
-``auto_map`` and a ``.py``) trains with transformers' own classes, and its code never runs,
-even with ``y`` waiting on standard input (issue 37 saw a prompt there run it on ``y``).
-The control loads the same folder with ``trust_remote_code=True``: its code runs then. A
-scan holds every ``from_pretrained`` of the project to ``trust_remote_code=False``."""
+``auto_map`` and a ``.py``) is refused with one line and its code never runs, even with
+``y`` waiting on standard input, where transformers asks whether to run it and runs it on
+``y`` unless told ``trust_remote_code=False``. The control loads the same folder with
+``trust_remote_code=True``: its code runs then. A scan holds every ``from_pretrained`` of
+the project to ``trust_remote_code=False``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ pytest.importorskip("transformers")
 #: The folder's code: it leaves a marker file when imported.
 PLANTED = """import pathlib
 pathlib.Path({marker!r}).write_text("ran")
-from transformers import PreTrainedTokenizerFast
+from transformers import BertConfig, PreTrainedTokenizerFast
+
+
+class PlantedConfig(BertConfig):
+    model_type = "planted"
 
 
 class PlantedTokenizer(PreTrainedTokenizerFast):
@@ -31,20 +36,31 @@ class PlantedTokenizer(PreTrainedTokenizerFast):
 
 @pytest.fixture(scope="module")
 def folder_with_code(tmp_path_factory, tiny_bert):
-    """The tiny BERT whose tokenizer config points AutoTokenizer at ``planted.py``; and
-    where that code leaves its marker."""
+    """The tiny BERT as a model type that transformers does not know, whose config and
+    tokenizer classes live in ``planted.py`` (``auto_map``): transformers can load it
+    only by running that code. And where the code leaves its marker."""
     root = tmp_path_factory.mktemp("remote_code")
     folder, marker = root / "model", root / "marker"
     shutil.copytree(tiny_bert, folder)
     (folder / "planted.py").write_text(PLANTED.format(marker=str(marker)))
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["auto_map"] = {"AutoTokenizer": ["planted.PlantedTokenizer"] * 2}
-    config_file.write_text(json.dumps(config))
+    for name, changes in {
+        "config.json": {
+            "model_type": "planted",
+            "auto_map": {"AutoConfig": "planted.PlantedConfig"},
+        },
+        "tokenizer_config.json": {
+            "tokenizer_class": "PlantedTokenizer",
+            "auto_map": {"AutoTokenizer": ["planted.PlantedTokenizer"] * 2},
+        },
+    }.items():
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, **changes}))
     return folder, marker
 
 
-def test_a_text_model_folders_own_code_never_runs(folder_with_code, sentence_pairs, tmp_path):
+def test_a_text_model_folders_own_code_never_runs_and_is_refused(
+    folder_with_code, sentence_pairs, tmp_path
+):
     folder, marker = folder_with_code
     command = launch_command(
         1, REPO / "trainer.py", "--dataset", sentence_pairs, "--columns", "anchor,positive",
@@ -53,11 +69,11 @@ def test_a_text_model_folders_own_code_never_runs(folder_with_code, sentence_pai
     result = subprocess.run(
         command, input="y\n" * 10, capture_output=True, text=True, timeout=300, env=ENV
     )
-    print(f"exit {result.returncode}; the folder's code ran: {marker.exists()}")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    print(f"exit {result.returncode}; the folder's code ran: {marker.exists()}; {errors}")
     assert not marker.exists()
-    # transformers falls back to the tokenizer class the folder names (tokenizer_class),
-    # which is a class of its own: the run trains without the planted code.
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode != 0
+    assert len(errors) == 1 and "cannot load --text-model" in errors[0], result.stderr[-2000:]
 
 
 def test_control_trusting_remote_code_runs_the_folders_code(folder_with_code, tmp_path):
