@@ -212,6 +212,8 @@ def _serve(rank: int, world_size: int, tasks, results) -> None:
                 results.put((rank, True, fn(rank, world_size, *args)))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
+    except BaseException:  # a task that cannot be unpickled: say so, do not go silent
+        results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -359,24 +361,21 @@ def assert_loss_invariant(
             if sum(sizes) != total or len(sizes) != world_size:
                 raise ValueError(f"split {sizes} does not give {total} rows to {world_size} ranks")
             reference = _evaluate(make_loss, make_inputs, dtype, sizes, None)
-            workers = _shared_workers(world_size)
             try:
-                per_rank = workers.run(
+                per_rank = _run(
                     _check_on_rank,
+                    world_size,
                     (make_loss, make_inputs, dtype, sizes),
                     timeout_s + 30,
                     (free_port(), timeout_s),
                 )
             except TimeoutError as error:
-                _discard_workers(world_size)
                 raise AssertionError(
                     f"rows {sizes}: the loss did not finish within {timeout_s:g} s on "
                     f"{world_size} processes ({error}): a collective is waiting for a rank "
                     "that never joins it"
                 ) from None
-            except RuntimeError as error:  # a rank raised; a peer may be stuck: replace them
-                if not workers.reusable:
-                    _discard_workers(world_size)
+            except RuntimeError as error:  # a rank raised (_run replaced stuck workers)
                 report.splits.append(SplitFigures(list(sizes), {}, raised=_last_line(error)))
                 continue
             report.splits.append(_compare(reference, per_rank, sizes))
