@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.util
 import os
 import re
 import sys
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from accelerate import Accelerator, DistributedType
 from accelerate.utils import InitProcessGroupKwargs
 
-from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
 from contrastive_accelerate.ranks import settle_before_exit
 
 #: Each process holds a full replica (DDP) or there is one process.
@@ -59,65 +57,6 @@ def make_accelerator(
         project_dir=output_dir,
         kwargs_handlers=handlers,
     )
-
-
-def check_launch(
-    accelerator: Accelerator,
-    own_accelerator: bool,
-    *,
-    batch_size: int,
-    dtype: str,
-    report_to: str,
-    collective_timeout: float | None,
-) -> None:
-    """Refuse, in one line, what Accelerate would run but the trainer cannot honour."""
-    world_size = accelerator.num_processes
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and world_size == 1:
-        raise TrainerError(
-            f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
-            f"({accelerator.distributed_type}): each process would train alone"
-        )
-    if accelerator.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
-        raise TrainerError(
-            f"{accelerator.distributed_type} is not supported: the trainer keeps a full "
-            "replica per process (DDP); launch with a multi-GPU, multi-CPU or single-process config"
-        )
-    accumulation = max(
-        accelerator.gradient_accumulation_steps, launcher_gradient_accumulation_steps()
-    )
-    if accumulation > 1:
-        raise TrainerError(
-            f"gradient accumulation ({accumulation} steps) is not supported: each micro-batch "
-            "would see only its own negatives, a different contrastive objective; use the "
-            f"trainer's --accumulation-chunks {accumulation} (gradient caching: the same memory "
-            "saving, every negative)"
-        )
-    precision = accelerator.mixed_precision
-    if precision == "fp8":
-        raise TrainerError("--mixed_precision fp8 is not supported; use bf16 or fp16")
-    if precision == "fp16" and accelerator.device.type == "cpu":
-        raise TrainerError(
-            "--mixed_precision fp16 needs a GPU: on the CPU Accelerate would silently train in "
-            "float32; use --mixed_precision bf16"
-        )
-    if dtype == "float64" and precision != "no":
-        raise TrainerError("--dtype float64 cannot be combined with mixed precision")
-    if batch_size % world_size:
-        raise TrainerError(
-            f"--batch-size {batch_size} is the global batch: it must be divisible by "
-            f"the {world_size} processes"
-        )
-    if not own_accelerator:
-        if report_to != "none" or collective_timeout is not None:
-            raise TrainerError(
-                "--report-to and --collective-timeout configure the Accelerator that train() "
-                "makes; with your own, pass log_with / InitProcessGroupKwargs to it instead"
-            )
-    elif report_to in ("tensorboard", "wandb") and importlib.util.find_spec(report_to) is None:
-        raise TrainerError(
-            f"--report-to {report_to}: {report_to} is not installed (pip install {report_to})"
-        )
 
 
 @contextlib.contextmanager

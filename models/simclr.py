@@ -31,7 +31,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     ``image_size / 8`` below) with a BatchNorm-free head; or ``"mlp"``: a small
     BatchNorm-free encoder and head for fast exactness checks. ``dropout`` applies to
     the ViT's and the mlp's ``nn.Dropout`` layers (attention dropout stays 0: see
-    ``models.dropout``). ``logit_scale``
+    ``models.dropout``; the ResNets have no dropout layers, and ``TrainConfig`` refuses
+    ``--dropout`` and ``--drop-path`` for them). ``logit_scale``
     and ``logit_bias`` add learnable parameters initialised to these values for the
     CLIP-style losses (InfoNCE, SigLIP): ``log_logit_scale``, the log of the scale, as
     CLIP learns it (pass ``log_logit_scale.exp()`` to the loss), and ``logit_bias``. For
@@ -74,10 +75,6 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
             raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
         if projection_layers < 2:
             raise ValueError(f"projection_layers must be >= 2, got {projection_layers}")
-        if dropout and backbone not in ("mlp", *VIT_SIZES):
-            raise ValueError(f"dropout applies to the vit and mlp backbones, not {backbone}")
-        if drop_path and backbone not in VIT_SIZES:
-            raise ValueError(f"drop_path applies to the vit backbones, not {backbone}")
         # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
         # the model, so DDP synchronises them and checkpoints carry them.
         self.log_logit_scale = (

@@ -1,0 +1,53 @@
+"""Training methods: SimCLR and its losses, MoCo, BYOL, DINO, text and image-text pairs.
+
+The loop (``trainer.py``) knows nothing of towers, views or losses: it calls a
+``Method`` (``methods.base``) through its members and hooks, and nothing else of it.
+``METHODS`` has one row per ``--method``: how it is built, its data, the options only
+it reads (set for another method, they are refused), its defaults and its refusals,
+which ``TrainConfig`` applies before anything is built. Each method family is one
+module: ``simclr`` (with the table of its losses, ``LOSSES``), ``momentum`` (MoCo v3,
+BYOL), ``dino``, and ``pairs`` (``text_pairs`` and ``image_text``, as the data are).
+
+Adding a method, a checklist:
+
+1. One module here: a ``Method`` subclass (override the hooks it needs), its options
+   tuple, ``defaults(config)``, ``check(config)`` and ``check_data(config, data)`` where
+   it has any, and its ``MethodRow``. Options that no method had before are fields of
+   ``TrainConfig`` (``contrastive_accelerate.options``), declared once with ``option``.
+2. One row in ``METHODS`` below.
+3. Its tests: a 1-vs-N case and a resume case in ``tests/test_methods_table.py`` (a test
+   fails until the row has both), and the method's own negative controls.
+"""
+
+from __future__ import annotations
+
+from contrastive_accelerate.methods.base import DTYPES, Method, MethodRow
+from contrastive_accelerate.methods.dino import DINO, DINO_OPTIONS
+from contrastive_accelerate.methods.momentum import BYOL, MOCO, TEACHER_OPTIONS
+from contrastive_accelerate.methods.pairs import PAIR_LOSSES, PAIRS, TEXT_OPTIONS
+from contrastive_accelerate.methods.simclr import LOSSES, SIMCLR, SimCLRMethod
+
+METHODS: dict[str, MethodRow] = {
+    "simclr": SIMCLR,
+    "moco": MOCO,
+    "byol": BYOL,
+    "dino": DINO,
+    "pairs": PAIRS,
+}
+
+#: Options that only some methods read: a value other than the default is refused elsewhere.
+METHOD_OPTIONS = tuple(dict.fromkeys(name for row in METHODS.values() for name in row.options))
+
+__all__ = [
+    "DINO_OPTIONS",
+    "DTYPES",
+    "LOSSES",
+    "METHODS",
+    "METHOD_OPTIONS",
+    "PAIR_LOSSES",
+    "TEACHER_OPTIONS",
+    "TEXT_OPTIONS",
+    "Method",
+    "MethodRow",
+    "SimCLRMethod",
+]

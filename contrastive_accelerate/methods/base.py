@@ -1,0 +1,263 @@
+"""What every method is to the loop (``Method``, ``MethodRow``), and the parts that
+several methods share: the image tower, two views of an image, a queue, a teacher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from contrastive_accelerate import collectives
+from contrastive_accelerate.collectives import is_distributed
+from contrastive_accelerate.data import TwoViewBatch, TwoViews
+from contrastive_accelerate.data.sources import ImageData, load_image_dataset
+from contrastive_accelerate.grad_cache import has_batch_statistics
+from contrastive_accelerate.knn import KnnData
+from contrastive_accelerate.launch import TrainerError
+from models import (
+    SimCLR,
+    convert_sample_dropout,
+    convert_sync_batchnorm,
+    sample_keys,
+    sample_randomness,
+)
+from models.momentum import EMATeacher, KeyQueue
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+#: A notice printed once (``accelerator.print``).
+Say = Callable[[str], Any]
+
+
+class Method:
+    """One training method, as the loop calls it; nothing else of it is called.
+
+    ``__init__(config, data, world_size, say, *, total_steps, device)`` builds it from
+    the run's resolved options (``TrainConfig.resolved()``), after seeding, so that
+    every rank starts from the same weights, and sets:
+
+    - ``model``: every trained module (towers, heads, a learnable scale); the loop
+      prepares it with the optimizer (DDP).
+    - ``dataset``: dataset rows as items, keyed by ``(epoch, index)``; ``dataset.collate``
+      makes the batch, whose ``split(k)`` gives the chunks of gradient caching and whose
+      ``unreadable`` lists the images that could not be decoded.
+
+    The hooks below are the loop's calls; those with a body here are no-ops that a
+    method overrides when it has something to do.
+    """
+
+    model: nn.Module
+    dataset: Any
+
+    def embed(self, model: nn.Module, chunk: Any, step: int) -> torch.Tensor:
+        """One chunk as embeddings. It is the forward that ``cached_backward`` replays,
+        so its randomness must be keyed by sample."""
+        raise NotImplementedError
+
+    def loss(
+        self, outputs: list[torch.Tensor], batch: Any, sizes: Sequence[int] | None, step: int
+    ) -> torch.Tensor:
+        """This rank's share of the loss of the global batch, from the embeddings of all
+        of this rank's chunks; called once per step. ``sizes`` is every rank's number of
+        samples when the loop knows it (the losses then exchange nothing:
+        ``losses.inputs``), else None."""
+        raise NotImplementedError
+
+    def before_optimizer_step(self, epoch: int) -> None:
+        """Between the backward and the optimizer step (DINO's frozen last layer)."""
+
+    def after_step(self, step: int) -> None:
+        """After each optimizer step (an EMA teacher's update, a queue's push)."""
+
+    def evaluated_encoder(self) -> nn.Module:
+        """The encoder that the loop's kNN and linear probe evaluate."""
+        return self.model
+
+    def duplicate_keys(self) -> list[tuple[int, ...]] | None:
+        """Each dataset row's keys, for a sampler that puts no key twice in a global
+        batch; None: the sampler needs none."""
+        return None
+
+    def evaluate(self, knn: KnnData | None) -> dict[str, float]:
+        """The method's own figures at the end, beside the loop's kNN and linear probe
+        (image-text's zero-shot accuracy, retrieval), from the held-out images ``knn``."""
+        return {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors that persist across steps besides the model and the optimizer (a queue
+        of past keys, a running center, a teacher's weights), saved with every checkpoint
+        and the final model. They must be the same on every rank, which is what makes
+        them resumable on another number of processes."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``state_dict``'s tensors from a checkpoint, refusing what this run has no
+        room for."""
+        load_queue(None, state)
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    """One ``--method`` of ``METHODS``: everything the options and the loop know of it."""
+
+    #: ``build(config, data, world_size, say, *, total_steps, device) -> Method``.
+    build: Callable[..., Method]
+    #: Its data, from the options: ``ImageData`` or ``PairData``.
+    load: Callable[[Any], Any]
+    #: The options only it (and the other methods naming them) reads; set for another
+    #: method, they are refused.
+    options: tuple[str, ...] = ()
+    #: ``defaults(config) -> {option: value}`` for its options left at None.
+    defaults: Callable[[Any], dict[str, Any]] = lambda config: {}
+    #: ``check(config)``: its refusals of the options alone (``ConfigError``).
+    check: Callable[[Any], None] = lambda config: None
+    #: ``check_data(config, data)``: its refusals that need the data (``TrainerError``),
+    #: made before anything is built.
+    check_data: Callable[[Any, Any], None] = lambda config, data: None
+
+
+def image_data(config) -> ImageData:
+    """The images of ``--dataset`` (``load_image_dataset``), with the evaluation split."""
+    return load_image_dataset(
+        config.dataset,
+        config_name=config.dataset_config,
+        split=config.split,
+        image_column=config.image_column,
+        label_column=config.label_column,
+        eval_split=config.eval_split,
+        eval_holdout=config.eval_holdout,
+        evaluate=config.knn_k > 0,
+    )
+
+
+SIMCLR_HEAD = (2, 512, 128)
+
+#: The CLIP-style losses' initial learnable scale: CLIP's 1 / 0.07, SigLIP's 10.
+INITIAL_LOGIT_SCALE = {"infonce": 1 / 0.07, "siglip": 10.0}
+
+
+def image_model(config, world_size: int, say: Say, head: tuple[int, int, int], **heads) -> SimCLR:
+    """The encoder and its head (``heads``: a learnable scale, a predictor), with global
+    BatchNorm statistics and dropout keyed by sample where the options ask for them."""
+    layers, hidden, width = head
+    model = SimCLR(
+        backbone=config.model,
+        image_size=config.image_size,
+        projection_layers=layers,
+        projection_hidden_dim=hidden,
+        projection_dim=width,
+        dropout=config.dropout,
+        drop_path=config.drop_path,
+        **heads,
+    ).to(DTYPES[config.dtype])
+    if world_size > 1 and config.sync_batchnorm:
+        model = convert_sync_batchnorm(model)
+    chunks = config.accumulation_chunks
+    random = config.dropout or config.drop_path
+    if random and config.dropout_masks == "per-sample":
+        model = convert_sample_dropout(model)  # masks keyed by sample: see embed_two_views
+    elif random and (world_size > 1 or chunks > 1):
+        say(
+            "warning: --dropout-masks per-process draws dropout and drop-path masks from each "
+            "process's RNG: training is not world-size invariant, and the chunks' recompute "
+            "draws new masks"
+        )
+    if chunks > 1 and has_batch_statistics(model):
+        say(
+            f"warning: with --accumulation-chunks {chunks} BatchNorm normalises each chunk "
+            "with that chunk's statistics: the gradient is not that of the whole batch in "
+            "one pass (a BatchNorm-free model, e.g. vit_tiny or mlp, makes it exact)"
+        )
+    return model
+
+
+def two_views_dataset(config, data: ImageData) -> TwoViews:
+    """Two augmented views of each image, drawn from (seed, epoch, index, view)."""
+    return TwoViews(
+        data.train,
+        data.image_column,
+        config.image_size,
+        config.seed,
+        config.augment,
+        per_sample_seed=config.augmentation_seeding == "per-sample",
+        crop_min_scale=config.crop_min_scale,
+        horizontal_flip=config.horizontal_flip,
+    )
+
+
+def embed_two_views(
+    model: nn.Module, chunk: TwoViewBatch, seed: int, step: int, views: tuple[int, int] = (0, 1)
+) -> torch.Tensor:
+    """Both views of a chunk in one forward (BatchNorm sees them together, as in SimCLR),
+    view 0's rows first; dropout keyed by (seed, step, each sample's index, ``views``)."""
+    parameter = next(model.parameters())
+    # Each view goes to the device as it comes from the loader (pinned on CUDA, so the
+    # copies are asynchronous), then they are joined there: a join on the host would copy
+    # them into unpinned memory first, whose upload makes the host wait.
+    images = torch.cat(
+        [
+            view.to(parameter.device, parameter.dtype, non_blocking=True)
+            for view in (chunk.view0, chunk.view1)
+        ]
+    )
+    keys = torch.cat([sample_keys(seed, step, chunk.indices, view) for view in views])
+    # A few hundred int64s from unpinned memory: staged by the driver, no wait either.
+    with sample_randomness(keys.to(parameter.device, non_blocking=True)):
+        return model(images)
+
+
+def view_halves(outputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chunk's view-0 rows, then every chunk's view-1 rows."""
+    if len(outputs) == 1:  # no copy
+        return outputs[0].tensor_split(2)
+    z0 = torch.cat([output[: len(output) // 2] for output in outputs])
+    z1 = torch.cat([output[len(output) // 2 :] for output in outputs])
+    return z0, z1
+
+
+def push_batch_keys(
+    queue: KeyQueue, keys: torch.Tensor, sizes: Sequence[int] | None, *, global_keys: bool = True
+) -> None:
+    """A step's keys into ``queue``: ``keys`` are this rank's rows, each row the keys of
+    its views side by side; gathered into the global batch (unless ``global_keys`` is
+    off: the per-rank control), then queued view by view in global sample order."""
+    if global_keys and is_distributed():
+        keys = collectives.gather(keys, sizes=sizes)
+    views = keys.shape[1] // queue.buffer.shape[1]
+    queue.push(torch.cat(keys.chunk(views, dim=1)))
+
+
+def load_queue(queue: KeyQueue | None, state: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's queue, refusing one this run has no room for, and the reverse."""
+    if set(state) - {"queue"}:
+        raise TrainerError(
+            f"the checkpoint carries method state ({', '.join(sorted(set(state) - {'queue'}))}) "
+            "that this run's --method does not have"
+        )
+    if (queue is None) != ("queue" not in state):
+        has = "has a queue" if "queue" in state else "has no queue"
+        size = queue.size if queue is not None else 0
+        raise TrainerError(f"the checkpoint {has}, and this run's --queue-size is {size}")
+    if queue is not None:
+        queue.load_state_dict(state)
+
+
+def teacher_state(teacher: EMATeacher) -> dict[str, torch.Tensor]:
+    """The teacher's weights and buffers, under ``teacher.``."""
+    return {f"teacher.{name}": value for name, value in teacher.network.state_dict().items()}
+
+
+def load_teacher(teacher: EMATeacher, state: dict[str, torch.Tensor], method: str) -> dict:
+    """Load ``teacher_state``'s entries of ``state``; returns the other entries."""
+    prefix = "teacher."
+    weights = {name[len(prefix) :]: v for name, v in state.items() if name.startswith(prefix)}
+    if set(weights) != set(teacher.network.state_dict()):
+        problem = (
+            "has no teacher weights" if not weights else "has teacher weights that do not match"
+        )
+        raise TrainerError(f"the checkpoint {problem} for this run's --method {method} and model")
+    teacher.network.load_state_dict(weights)
+    return {name: v for name, v in state.items() if not name.startswith(prefix)}

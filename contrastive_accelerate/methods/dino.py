@@ -1,0 +1,217 @@
+"""DINO (Caron et al., 2021): a student and an EMA teacher with DINO's head, the
+teacher's global crops centred and sharpened as the student's targets, multi-crop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from contrastive_accelerate.config import ConfigError
+from contrastive_accelerate.data import MultiCrop, MultiCropBatch
+from contrastive_accelerate.data.sources import ImageData
+from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.methods.base import (
+    SIMCLR_HEAD,
+    MethodRow,
+    Say,
+    image_data,
+    image_model,
+    load_teacher,
+    teacher_state,
+)
+from contrastive_accelerate.methods.momentum import TEACHER_OPTIONS, TeacherMethod
+from losses import DINOLoss
+from losses.dino import batch_center
+from models import sample_keys, sample_randomness
+from models.momentum import EMATeacher, cosine_momentum
+from models.simclr import VIT_SIZES, vit_patch_size
+
+#: DINO's ``warmup_teacher_temp``.
+DINO_WARMUP_TEACHER_TEMPERATURE = 0.04
+
+
+class DINOMethod(TeacherMethod):
+    """DINO: a student and an EMA teacher with DINO's head, multi-crop.
+
+    The dataset is ``MultiCrop``; ``embed`` runs one forward per resolution (the global
+    crops, then the local ones), and the teacher sees the global crops only, once per
+    step. The center is the mean teacher output over the *global* batch
+    (``losses.dino.batch_center``: sums and counts all-reduced), an EMA across steps
+    updated after each step with the teacher, as DINO does; the teacher temperature
+    warms up linearly from 0.04 to ``--teacher-temperature``. The teacher's weights and
+    the center are the method's state.
+    """
+
+    def __init__(
+        self,
+        config,
+        data: ImageData,
+        world_size: int,
+        say: Say,
+        *,
+        total_steps: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.seed, self.total_steps = config.seed, total_steps
+        self.base_momentum, self.center_momentum = config.teacher_momentum, config.center_momentum
+        self.eval_teacher = config.eval_teacher
+        self.teacher_temperature = config.teacher_temperature
+        self.warmup_steps = config.teacher_temperature_warmup_steps
+        self.center_formula = config.dino_center
+        self.freeze_last_layer = config.freeze_last_layer
+        self.dataset = MultiCrop(
+            data.train,
+            data.image_column,
+            config.image_size,
+            config.seed,
+            config.global_crops,
+            config.local_crops,
+            config.local_crop_size,
+            per_sample_seed=config.augmentation_seeding == "per-sample",
+            crop_min_scale=config.crop_min_scale,
+            horizontal_flip=config.horizontal_flip,
+        )
+        self.model = image_model(
+            config, world_size, say, SIMCLR_HEAD, dino_out_dim=config.dino_out_dim
+        )
+        self.teacher = EMATeacher(self.model).to(device)
+        self.center = torch.zeros(1, config.dino_out_dim, dtype=self.teacher.dtype, device=device)
+        self.criterion = DINOLoss(config.temperature, gather_distributed=config.gather)
+        self._teacher_crops: tuple[list[torch.Tensor], Sequence[int] | None] | None = None
+
+    def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:
+        """Every crop of one chunk, crop by crop: one forward per resolution."""
+        first_local = len(chunk.global_crops)
+        return torch.cat(
+            [
+                embed_crops(model, crops, chunk.indices, self.seed, step, first_view)
+                for crops, first_view in ((chunk.global_crops, 0), (chunk.local_crops, first_local))
+                if len(crops)
+            ]
+        )
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: MultiCropBatch,
+        sizes: Sequence[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        crops = len(batch.global_crops) + len(batch.local_crops)
+        per_crop = [output.unflatten(0, (crops, len(output) // crops)) for output in outputs]
+        student = [torch.cat([output[crop] for output in per_crop]) for crop in range(crops)]
+        with torch.no_grad():
+            # Views 64 + crop: the teacher's dropout masks are not the student's.
+            targets = embed_crops(
+                self.teacher, batch.global_crops, batch.indices, self.seed, step, 64
+            )
+        teacher = list(targets.unflatten(0, (len(batch.global_crops), -1)))
+        self._teacher_crops = (teacher, sizes)
+        return self.criterion(student, teacher, self.temperature_at(step), self.center, sizes=sizes)
+
+    def temperature_at(self, step: int) -> float:
+        """DINO's teacher temperature: linear from 0.04 over the warm-up, then constant."""
+        if step >= self.warmup_steps:
+            return self.teacher_temperature
+        start = DINO_WARMUP_TEACHER_TEMPERATURE
+        return start + (self.teacher_temperature - start) * step / self.warmup_steps
+
+    def before_optimizer_step(self, epoch: int) -> None:
+        """DINO's ``cancel_gradients_last_layer``: during the first ``--freeze-last-layer``
+        epochs the head's last layer has no gradient, so the optimizer leaves it and its
+        momentum alone (a zero gradient would still apply weight decay and momentum)."""
+        if epoch < self.freeze_last_layer:
+            self.model.projection_head.last_layer.grad = None
+
+    def after_step(self, step: int) -> None:
+        """The teacher's EMA update, then the center's, from this step's teacher outputs."""
+        momentum = cosine_momentum(step + 1, self.total_steps, self.base_momentum)
+        self.teacher.update(self.model, momentum)
+        teacher, sizes = self._teacher_crops
+        center = batch_center(teacher, sizes, formula=self.center_formula).to(self.center.dtype)
+        self.center.mul_(self.center_momentum).add_(center, alpha=1 - self.center_momentum)
+        self._teacher_crops = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return teacher_state(self.teacher) | {"center": self.center}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        rest = load_teacher(self.teacher, state, "dino")
+        if set(rest) != {"center"} or rest["center"].shape != self.center.shape:
+            raise TrainerError(
+                f"the checkpoint has no DINO center of shape {tuple(self.center.shape)} "
+                "(--dino-out-dim)"
+            )
+        self.center.copy_(rest["center"])
+
+
+def embed_crops(
+    model: nn.Module,
+    crops: torch.Tensor,
+    indices: torch.Tensor,
+    seed: int,
+    step: int,
+    first_view: int,
+) -> torch.Tensor:
+    """``(crops, n, C, H, W)`` of one resolution in one forward, crop-major rows;
+    dropout keyed by (seed, step, each sample's index, ``first_view`` + crop)."""
+    parameter = next(model.parameters())
+    images = crops.to(parameter.device, parameter.dtype, non_blocking=True).flatten(0, 1)
+    views = range(first_view, first_view + len(crops))
+    keys = torch.cat([sample_keys(seed, step, indices, view) for view in views])
+    with sample_randomness(keys.to(parameter.device, non_blocking=True)):
+        return model(images)
+
+
+def defaults(config) -> dict[str, Any]:
+    """DINO's temperatures and momentum; six local crops of half the size (none for the
+    mlp, which takes one input size)."""
+    return {
+        "temperature": 0.1,
+        "teacher_momentum": 0.996,
+        "local_crops": 0 if config.model == "mlp" else 6,
+        "local_crop_size": max(1, config.image_size // 2),
+    }
+
+
+def check(config) -> None:
+    if config.local_crops and config.model == "mlp":
+        raise ConfigError("--local-crops: mlp takes one input size; use a resnet or a vit")
+    if config.local_crop_size and config.image_size and config.local_crop_size > config.image_size:
+        raise ConfigError(
+            f"--local-crop-size {config.local_crop_size} is larger than the global crops "
+            f"(--image-size {config.image_size})"
+        )
+    vit_crops = config.model in VIT_SIZES and config.local_crops != 0
+    if vit_crops and config.local_crop_size and config.image_size:
+        patch = vit_patch_size(config.image_size)
+        if config.local_crop_size % patch:
+            raise ConfigError(
+                f"--local-crop-size {config.local_crop_size}: {config.model} at --image-size "
+                f"{config.image_size} has patches of {patch} px, which must divide it"
+            )
+
+
+#: What only DINO reads.
+DINO_OPTIONS = (
+    "dino_out_dim",
+    "center_momentum",
+    "teacher_temperature",
+    "teacher_temperature_warmup_steps",
+    "global_crops",
+    "local_crops",
+    "local_crop_size",
+    "dino_center",
+    "freeze_last_layer",
+)
+
+DINO = MethodRow(
+    DINOMethod,
+    image_data,
+    options=(*TEACHER_OPTIONS, *DINO_OPTIONS),
+    defaults=defaults,
+    check=check,
+)

@@ -1,0 +1,187 @@
+"""Image-text pairs, CLIP's or SigLIP's two towers: ``--columns image,caption``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastive_accelerate.data import evaluation_images
+from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, PairData
+from contrastive_accelerate.knn import KnnData, zero_shot_top1
+from contrastive_accelerate.methods.base import DTYPES, SIMCLR_HEAD, Say, image_model, view_halves
+from contrastive_accelerate.methods.pairs import (
+    PairsMethod,
+    embed_texts,
+    first_texts,
+    say_truncated,
+    text_dropout,
+    text_encoder,
+)
+from contrastive_accelerate.methods.simclr import shared, tiled
+from contrastive_accelerate.retrieval import paired_retrieval
+from losses import InfoNCELoss, SigLIPLoss
+from models import sample_keys
+
+#: CLIP clamps its learnable logit scale at 100.
+MAX_LOGIT_SCALE = 100.0
+
+
+class ImageTextMethod(PairsMethod):
+    """Image-text pairs: the image through ``--model`` and its projection head, the
+    caption (one of a row's list, drawn from (seed, epoch, index)) through a
+    ``transformers`` tower and a projection, scored by ``InfoNCELoss`` (``--loss
+    infonce``, CLIP, the default) or ``SigLIPLoss`` over the global batch with the
+    model's learnable scale, which ``after_step`` clamps at 100 as CLIP does, and
+    SigLIP's bias.
+
+    With ``--zero-shot-template`` ("a photo of a {}") and labels, ``evaluate`` gives CLIP's
+    zero-shot top-1 on the held-out images: each class name in the template, embedded
+    by the text tower, is a classifier row.
+    """
+
+    def __init__(
+        self,
+        config,
+        data: PairData,
+        world_size: int,
+        say: Say,
+        *,
+        total_steps: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        from models.text import ImageTextModel, TextTower
+
+        self.seed, self.unique_texts = config.seed, config.unique_texts
+        self.loss_name = config.loss or "infonce"
+        (caption_column,) = data.text_columns
+        encoder, self.tokenizer = text_encoder(config, data, [caption_column])
+        width = config.projection_dim or SIMCLR_HEAD[2]
+        image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
+        text = TextTower(  # in the run's dtype already for text_dropout's probe forward
+            encoder, config.text_pooling, width, use_attention_mask=config.attention_mask
+        ).to(DTYPES[config.dtype])
+        siglip = self.loss_name == "siglip"
+        self.model = ImageTextModel(
+            image,
+            text_dropout(text, self.tokenizer, config, world_size, say),
+            self.tokenizer,
+            logit_scale=config.logit_scale_init,
+            logit_bias=config.logit_bias_init if siglip else None,
+            max_length=config.max_length,
+        ).to(DTYPES[config.dtype])
+        say_truncated(data, [caption_column], self.tokenizer, config.max_length, say)
+        self.dataset = ImageCaptions(
+            data.train,
+            data.image_column,
+            caption_column,
+            self.tokenizer,
+            config.max_length,
+            config.image_size,
+            config.seed,
+            config.augment,
+            per_sample_seed=config.augmentation_seeding == "per-sample",
+            crop_min_scale=config.crop_min_scale,
+            horizontal_flip=config.horizontal_flip,
+        )
+        self.criterion = (
+            SigLIPLoss(tile_columns=config.loss_tile_rows, **shared(config))
+            if siglip
+            else InfoNCELoss(**tiled(config))
+        )
+        self.template = config.zero_shot_template
+        self.class_names = class_names(data) if self.template else None
+        self.evaluation, self.caption_column = data.evaluation, caption_column
+        self.image_column, self.image_size = data.image_column, config.image_size
+
+    def embed(self, model: nn.Module, chunk: ImageTextBatch, step: int) -> torch.Tensor:
+        """The images' projections, then the captions'; dropout keyed by (seed, step, row
+        index, 0) in the image tower and (..., 1) in the text tower."""
+        parameter = next(model.parameters())
+        device = parameter.device
+        images = chunk.images.to(device, parameter.dtype, non_blocking=True)
+        columns = [(ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+                   for ids, mask in chunk.columns]  # fmt: skip
+        keys = tuple(
+            sample_keys(self.seed, step, chunk.indices, view).to(device) for view in (0, 1)
+        )
+        return model(images, columns, keys)
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: ImageTextBatch,
+        sizes: Sequence[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        images, texts = view_halves(outputs)
+        images, texts = F.normalize(images, dim=1), F.normalize(texts, dim=1)
+        scale = self.model.log_logit_scale.exp()
+        if self.loss_name == "siglip":
+            return self.criterion(images, texts, scale, self.model.logit_bias, sizes=sizes)
+        return self.criterion(images, texts, scale, sizes=sizes)
+
+    def after_step(self, step: int) -> None:
+        """CLIP's clamp of the learnable scale at 100, in place, the same on every rank."""
+        with torch.no_grad():
+            self.model.log_logit_scale.clamp_(max=math.log(MAX_LOGIT_SCALE))
+
+    def evaluate(self, knn: KnnData | None) -> dict[str, float]:
+        """On the held-out images: retrieval in both directions (each image's caption among
+        all of theirs, and the reverse: ``image_to_text_recall@k``, ``text_to_image_...``),
+        and CLIP's zero-shot top-1 with ``--zero-shot-template``."""
+        if self.evaluation is None:
+            return {}
+        model = self.model
+        parameter = next(model.parameters())
+        captions = first_texts(self.evaluation[self.caption_column])
+
+        def images(rows):
+            pixels, _ = evaluation_images(self.evaluation, self.image_column, self.image_size,
+                                          indices=list(rows))  # fmt: skip
+            return model.image(pixels.to(parameter.device, parameter.dtype))
+
+        def texts(rows):
+            return embed_texts(model.text, self.tokenizer, [captions[i] for i in rows],
+                               model.max_length)  # fmt: skip
+
+        figures = {}
+        model.eval()
+        try:
+            with torch.no_grad():
+                for name, (queries, documents) in {
+                    "image_to_text": (images, texts), "text_to_image": (texts, images)
+                }.items():  # fmt: skip
+                    found = paired_retrieval(queries, documents, len(captions), parameter.device)
+                    figures |= {f"{name}_{k}": v for k, v in found.items() if k != "mrr@10"}
+                if self.template is not None and knn is not None:
+                    prompts = [self.template.format(name) for name in self.class_names]
+                    classes = embed_texts(model.text, self.tokenizer, prompts, model.max_length)
+                    figures["zero_shot_top1"] = zero_shot_top1(
+                        ImageProjections(model.image), classes, knn
+                    )
+        finally:
+            model.train()
+        return figures
+
+
+class ImageProjections(nn.Module):
+    """An image tower's projections as ``embed``, for the zero-shot classifier."""
+
+    def __init__(self, image: nn.Module) -> None:
+        super().__init__()
+        self.image = image
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.image(images)
+
+
+def class_names(data: PairData) -> list[str]:
+    """The label column's class names in ``knn_data``'s label order (sorted labels): a
+    ``ClassLabel``'s names, else each label as a string."""
+    labels = sorted(set(data.train[data.label_column]) | set(data.evaluation[data.label_column]))
+    names = getattr(data.train.features[data.label_column], "names", None)
+    return [names[label] if names else str(label) for label in labels]

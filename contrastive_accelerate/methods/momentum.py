@@ -1,0 +1,154 @@
+"""MoCo v3 (Chen et al., 2021) and BYOL (Grill et al., 2020): a student with a predictor
+and an EMA teacher that gives each view's target."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contrastive_accelerate.data import TwoViewBatch
+from contrastive_accelerate.data.sources import ImageData
+from contrastive_accelerate.methods.base import (
+    SIMCLR_HEAD,
+    Method,
+    MethodRow,
+    Say,
+    embed_two_views,
+    image_data,
+    image_model,
+    load_queue,
+    load_teacher,
+    push_batch_keys,
+    teacher_state,
+    two_views_dataset,
+    view_halves,
+)
+from losses import MoCoLoss, NegativeCosineSimilarityLoss
+from models.momentum import EMATeacher, KeyQueue, cosine_momentum
+
+#: What every method with an EMA teacher reads.
+TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
+
+
+class TeacherMethod(Method):
+    """A method with an EMA teacher (``self.teacher``), which ``--eval-teacher``
+    evaluates instead of the student, as MoCo, BYOL and DINO report."""
+
+    teacher: EMATeacher
+    eval_teacher: bool = False
+
+    def evaluated_encoder(self) -> nn.Module:
+        return self.teacher.network if self.eval_teacher else self.model
+
+
+class MomentumMethod(TeacherMethod):
+    """MoCo v3 or BYOL: a student with a predictor, and an EMA teacher
+    (``models.momentum``) that gives each view's target.
+
+    - ``moco``: ``2 t (MoCoLoss(q0, k1) + MoCoLoss(q1, k0))`` over the keys of the global
+      batch, and with ``--queue-size`` MoCo v2's queue of past keys as extra negatives:
+      the global batch's normalised keys of both views, pushed after each step.
+    - ``byol``: ``(NegCos(p0, t1) + NegCos(p1, t0)) / 2``, lightly's form of BYOL.
+
+    The teacher sees both views in one forward in training mode (its BatchNorm takes
+    batch statistics, global with SyncBatchNorm), once per step, whatever the number of
+    chunks; its dropout is keyed by views 2 and 3. After each optimizer step it moves
+    towards the student with ``cosine_momentum(step + 1, ...)``, which is where MoCo v3
+    and lightly update it: before the next step's keys. Its weights and the queue are
+    the method's state: every checkpoint and ``final/method.safetensors`` carry them.
+    """
+
+    def __init__(
+        self,
+        config,
+        data: ImageData,
+        world_size: int,
+        say: Say,
+        *,
+        total_steps: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.name, self.seed, self.total_steps = config.method, config.seed, total_steps
+        self.base_momentum, self.eval_teacher = config.teacher_momentum, config.eval_teacher
+        self.dataset = two_views_dataset(config, data)
+        self.model = image_model(
+            config, world_size, say, SIMCLR_HEAD, prediction_hidden_dim=SIMCLR_HEAD[1]
+        )
+        self.teacher = EMATeacher(self.model, without=("predictor",)).to(device)
+        if config.method == "moco":
+            self.temperature = config.temperature
+            self.criterion = MoCoLoss(
+                config.temperature,
+                gather_distributed=config.gather,
+                tile_rows=config.loss_tile_rows,
+            )
+        else:
+            self.criterion = NegativeCosineSimilarityLoss(gather_distributed=config.gather)
+        self.queue = (
+            KeyQueue(config.queue_size, SIMCLR_HEAD[2], self.teacher.dtype, device)
+            if config.queue_size
+            else None
+        )
+        self.global_queue = config.queue_keys == "global"
+        self._new_keys: tuple[torch.Tensor, Sequence[int] | None] | None = None
+
+    def embed(self, model: nn.Module, chunk: TwoViewBatch, step: int) -> torch.Tensor:
+        """The student's predictions of one chunk's two views (``embed_two_views``)."""
+        return embed_two_views(model, chunk, self.seed, step)
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: TwoViewBatch,
+        sizes: Sequence[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        p0, p1 = view_halves(outputs)
+        with torch.no_grad():
+            targets = embed_two_views(self.teacher, batch, self.seed, step, views=(2, 3))
+        t0, t1 = targets[: len(targets) // 2], targets[len(targets) // 2 :]
+        if self.name == "byol":
+            return 0.5 * (self.criterion(p0, t1, sizes=sizes) + self.criterion(p1, t0, sizes=sizes))
+        k0, k1 = F.normalize(t0, dim=1), F.normalize(t1, dim=1)
+        queue = None
+        if self.queue is not None:
+            queue = self.queue.keys()
+            # Both views' keys in one gather after the step (``after_step``).
+            self._new_keys = (torch.cat([k0, k1], dim=1), sizes)
+        loss = self.criterion(p0, k1, queue, sizes=sizes) + self.criterion(
+            p1, k0, queue, sizes=sizes
+        )
+        return 2 * self.temperature * loss
+
+    def after_step(self, step: int) -> None:
+        """The teacher's EMA update, and this step's keys into the queue."""
+        self.teacher.update(
+            self.model, cosine_momentum(step + 1, self.total_steps, self.base_momentum)
+        )
+        if self._new_keys is not None:
+            push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
+            self._new_keys = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        queue = self.queue.state_dict() if self.queue is not None else {}
+        return teacher_state(self.teacher) | queue
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_queue(self.queue, load_teacher(self.teacher, state, self.name))
+
+
+MOCO = MethodRow(
+    MomentumMethod,
+    image_data,
+    options=(*TEACHER_OPTIONS, "queue_size", "queue_keys"),
+    defaults=lambda config: {"temperature": 0.2, "teacher_momentum": 0.99},  # MoCo v3's
+)
+BYOL = MethodRow(
+    MomentumMethod,
+    image_data,
+    options=TEACHER_OPTIONS,
+    defaults=lambda config: {"teacher_momentum": 0.996},  # BYOL's
+)

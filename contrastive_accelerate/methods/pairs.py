@@ -1,0 +1,212 @@
+"""Pairs (``--method pairs``, ``--columns``): a dataset whose items are a row's columns,
+an ``embed`` that runs each column through its tower, and a two-tower loss whose
+positives sit at their global index. The data decide which: text-text pairs
+(``methods.text_pairs``) or image-text ones (``methods.image_text``). What both share is
+here: the row of ``METHODS``, the text tower and the texts' helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from contrastive_accelerate.collectives import is_distributed
+from contrastive_accelerate.config import ConfigError, flag
+from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
+from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.methods.base import DTYPES, INITIAL_LOGIT_SCALE, Method, MethodRow, Say
+from models import convert_sample_dropout
+
+#: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
+#: infonce (CLIP) or siglip.
+PAIR_LOSSES = ("mnrl", "infonce", "siglip")
+TEXT_PAIR_LOSSES = ("mnrl",)
+IMAGE_TEXT_LOSSES = ("infonce", "siglip")
+
+#: What only pairs read.
+TEXT_OPTIONS = (
+    "columns",
+    "zero_shot_template",
+    "text_model",
+    "text_pooling",
+    "max_length",
+    "two_towers",
+    "unique_texts",
+    "projection_dim",
+    "mnrl_scale",
+    "mnrl_symmetric",
+    "attention_mask",
+)
+
+#: What text-text pairs never read (no image tower, no labels to probe): set, refused.
+IMAGE_OPTIONS = (
+    "model",
+    "image_size",
+    "augment",
+    "crop_min_scale",
+    "horizontal_flip",
+    "skip_bad_images",
+    "augmentation_seeding",
+    "dropout",
+    "drop_path",
+    "sync_batchnorm",
+    "logit_scale_init",
+    "logit_bias_init",
+    "zero_shot_template",
+    "linear_probe",
+)
+
+
+class PairsMethod(Method):
+    """What text-text and image-text pairs share: ``--unique-texts``' keys, no state."""
+
+    unique_texts: bool = False
+
+    def duplicate_keys(self) -> list[tuple[int, ...]] | None:
+        """Each row's texts as keys with ``--unique-texts``: no text twice in a batch."""
+        return self.dataset.duplicate_keys() if self.unique_texts else None
+
+
+def pair_data(config) -> PairData:
+    """The columns of ``--dataset`` named by ``--columns``: text, or an image and text."""
+    columns = tuple(column.strip() for column in config.columns.split(","))
+    return load_pair_dataset(
+        config.dataset,
+        columns,
+        config_name=config.dataset_config,
+        split=config.split,
+        image_column=config.image_column,
+        label_column=config.label_column,
+        eval_split=config.eval_split,
+        eval_holdout=config.eval_holdout,
+        evaluate=config.knn_k > 0,
+    )
+
+
+def build(config, data: PairData, world_size: int, say: Say, **kwargs) -> PairsMethod:
+    """Text-text (``TextPairsMethod``) or image-text (``ImageTextMethod``) pairs, as
+    ``data``'s columns are."""
+    from contrastive_accelerate.methods.image_text import ImageTextMethod
+    from contrastive_accelerate.methods.text_pairs import TextPairsMethod
+
+    if data.image_column is not None:
+        return ImageTextMethod(config, data, world_size, say, **kwargs)
+    return TextPairsMethod(config, data, world_size, say, **kwargs)
+
+
+def defaults(config) -> dict[str, Any]:
+    """AdamW, as CLIP and sentence-transformers train; sentence-transformers' 5e-5 for a
+    pretrained text tower; the CLIP-style loss's initial scale."""
+    values: dict[str, Any] = {"optimizer": "adamw"}
+    if config.text_model != "scratch":
+        values["lr"] = 5e-5
+    loss = config.loss or IMAGE_TEXT_LOSSES[0]  # the data decide between mnrl and infonce
+    if loss in INITIAL_LOGIT_SCALE:
+        values["logit_scale_init"] = INITIAL_LOGIT_SCALE[loss]
+    return values
+
+
+def check(config) -> None:
+    if not config.columns:
+        raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
+    if config.loss is not None and config.loss not in PAIR_LOSSES:
+        raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
+
+
+def check_data(config, data: PairData) -> None:
+    """What needs the data: text or image-text, their losses and options, labels for
+    the zero-shot evaluation, a text tower."""
+    if config.text_model is None:
+        raise TrainerError(
+            "--columns needs --text-model: a transformers model directory, a hub name, or "
+            "scratch (a small BERT from random weights)"
+        )
+    if data.image_column is None:
+        if (config.loss or "mnrl") not in TEXT_PAIR_LOSSES:
+            raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl")
+        # Only the data tell text pairs from image-text: the options cannot refuse these.
+        defaults = type(config)(
+            dataset=config.dataset, columns=config.columns, loss=config.loss
+        ).resolved()
+        for name in IMAGE_OPTIONS:
+            if getattr(config, name) != getattr(defaults, name):
+                raise TrainerError(
+                    f"{flag(name)} does not apply to text pairs: --columns {config.columns} "
+                    "names no image"
+                )
+        return
+    if (config.loss or IMAGE_TEXT_LOSSES[0]) not in IMAGE_TEXT_LOSSES:
+        raise TrainerError(f"--loss {config.loss}: image-text pairs train with infonce or siglip")
+    if config.zero_shot_template and (data.label_column is None or data.evaluation is None):
+        raise TrainerError(
+            "--zero-shot-template needs labels and held-out images: a label column (or "
+            "--label-column), --knn-k > 0, and an evaluation split or --eval-holdout"
+        )
+
+
+PAIRS = MethodRow(
+    build,
+    pair_data,
+    options=("loss", *TEXT_OPTIONS),
+    defaults=defaults,
+    check=check,
+    check_data=check_data,
+)
+
+
+def text_encoder(config, data: PairData, columns):
+    """``--text-model``'s encoder and tokenizer, or with ``scratch`` a small BERT and a
+    vocabulary of ``columns``' texts."""
+    from models.text import SCRATCH, load_text_encoder, scratch_text_encoder
+
+    if config.text_model == SCRATCH:
+        texts = [text for column in columns for value in data.train[column]
+                 for text in ([value] if isinstance(value, str) else value)]  # fmt: skip
+        return scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
+    return load_text_encoder(config.text_model, DTYPES[config.dtype])
+
+
+def text_dropout(tower: nn.Module, tokenizer, config, world_size: int, say: Say) -> nn.Module:
+    """The tower's own dropout keyed by sample (``--dropout-masks per-sample``), and the
+    dropout no key reaches switched off; or, the control, torch's per-process masks."""
+    from models.text import switch_off_kernel_dropout
+
+    if config.dropout_masks == "per-sample":
+        tower = convert_sample_dropout(tower)
+        probe = tokenizer(["probe"], return_tensors="pt")
+        switch_off_kernel_dropout(tower, (probe["input_ids"], probe["attention_mask"]), say)
+    elif world_size > 1 or config.accumulation_chunks > 1:
+        say(
+            "warning: --dropout-masks per-process draws the text tower's dropout masks from "
+            "each process's RNG: training is not world-size invariant"
+        )
+    return tower
+
+
+def say_truncated(data: PairData, columns, tokenizer, max_length: int, say: Say) -> None:
+    """One notice for the texts that ``max_length`` truncates, counted once at start-up by
+    the main process, the one that prints it."""
+    if is_distributed() and torch.distributed.get_rank() != 0:
+        return
+    truncated, total = count_truncated(
+        [value for column in columns for value in data.train[column]], tokenizer, max_length
+    )
+    if truncated:
+        say(
+            f"notice: {truncated} of {total} texts are longer than --max-length {max_length} "
+            "tokens and are truncated"
+        )
+
+
+def first_texts(values: list) -> list[str]:
+    """Each row's text, or the first of its list: evaluation takes no draw."""
+    return [value if isinstance(value, str) else value[0] for value in values]
+
+
+def embed_texts(tower: nn.Module, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
+    """``texts`` through ``tower``, padded to their longest and truncated to ``max_length``."""
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                       return_tensors="pt")  # fmt: skip
+    device = next(tower.parameters()).device
+    return tower(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))

@@ -1,0 +1,125 @@
+"""Text-text pairs, sentence-transformers' convention: ``--columns anchor,positive[,
+negative...]`` through one or two ``transformers`` towers, scored by
+``MultipleNegativesRankingLoss`` over the global batch."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from contrastive_accelerate.data.pairs import PairBatch, PairData, TextColumns
+from contrastive_accelerate.knn import KnnData
+from contrastive_accelerate.methods.base import DTYPES, Say
+from contrastive_accelerate.methods.pairs import (
+    PairsMethod,
+    embed_texts,
+    first_texts,
+    say_truncated,
+    text_dropout,
+    text_encoder,
+)
+from contrastive_accelerate.retrieval import paired_retrieval
+from losses import MultipleNegativesRankingLoss
+from models import sample_keys
+
+
+class TextPairsMethod(PairsMethod):
+    """Text-text pairs: each column through a ``transformers`` tower (one shared, or with
+    ``--two-towers`` one for the anchors and one for the rest), scored by
+    ``MultipleNegativesRankingLoss`` over the global batch, every hard negative of
+    every rank a candidate.
+
+    Tokenization happens in the loader's workers; each rank pads to its own longest
+    text, and the attention masks keep that out of the result. Dropout inside the towers
+    is keyed by (seed, step, row index, column); dropout that a kernel draws (attention
+    dropout under SDPA) cannot be, and is switched off with a notice
+    (``models.text.switch_off_kernel_dropout``).
+    """
+
+    def __init__(
+        self,
+        config,
+        data: PairData,
+        world_size: int,
+        say: Say,
+        *,
+        total_steps: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        from models.text import TextPairModel, TextTower
+
+        self.seed, self.unique_texts = config.seed, config.unique_texts
+        encoder, tokenizer = text_encoder(config, data, data.columns)
+        tower = TextTower(
+            encoder,
+            config.text_pooling,
+            config.projection_dim or None,
+            use_attention_mask=config.attention_mask,
+        ).to(DTYPES[config.dtype])
+        towers = [text_dropout(tower, tokenizer, config, world_size, say)]
+        if config.two_towers:  # the query and document towers start as one
+            towers.append(copy.deepcopy(towers[0]))
+        tokenizers = [tokenizer] * len(towers)
+        self.model = TextPairModel(towers, tokenizers, max_length=config.max_length)
+        say_truncated(data, data.columns, tokenizer, config.max_length, say)
+        self.dataset = TextColumns(
+            data.train, data.columns, tokenizers[0], config.max_length, config.seed
+        )
+        self.evaluation, self.columns = data.evaluation, data.columns
+        self.tokenizer, self.max_length = tokenizers[0], config.max_length
+        self.criterion = MultipleNegativesRankingLoss(
+            config.mnrl_scale,
+            symmetric=config.mnrl_symmetric,
+            gather_distributed=config.gather,
+            tile_rows=config.loss_tile_rows,
+        )
+
+    def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
+        """Every column of one chunk, column after column; column c's dropout keyed by
+        (seed, step, row index, c)."""
+        device = next(model.parameters()).device
+        columns = [
+            (ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+            for ids, mask in chunk.columns
+        ]
+        keys = [
+            sample_keys(self.seed, step, chunk.indices, column).to(device, non_blocking=True)
+            for column in range(len(columns))
+        ]
+        return model(columns, keys)
+
+    def loss(
+        self,
+        outputs: list[torch.Tensor],
+        batch: PairBatch,
+        sizes: Sequence[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        count = len(batch.columns)
+        per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
+        columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
+        return self.criterion(*columns, sizes=sizes)
+
+    def evaluate(self, knn: KnnData | None) -> dict[str, float]:
+        """Retrieval on the held-out pairs: each anchor's positive among all of theirs
+        (``retrieval_mrr@10``, ``retrieval_recall@k``), sharded across ranks."""
+        if self.evaluation is None:
+            return {}
+        anchors, positives = (first_texts(self.evaluation[c]) for c in self.columns[:2])
+        model, device = self.model, next(self.model.parameters()).device
+        model.eval()
+        try:
+            with torch.no_grad():
+                figures = paired_retrieval(
+                    lambda rows: embed_texts(model.tower(0), self.tokenizer,
+                                             [anchors[i] for i in rows], self.max_length),
+                    lambda rows: embed_texts(model.tower(1), self.tokenizer,
+                                             [positives[i] for i in rows], self.max_length),
+                    len(anchors), device,
+                )  # fmt: skip
+        finally:
+            model.train()
+        return {f"retrieval_{name}": value for name, value in figures.items()}

@@ -1,0 +1,355 @@
+"""Every option of a run, declared once: ``TrainConfig``.
+
+Each field is a ``--flag`` and a config-file key (``contrastive_accelerate.config``
+generates both and checks each field's type, choices and bounds). What depends on
+more than one field is checked here, once, before anything is built:
+
+- ``TrainConfig.__post_init__``: each field alone (``config.validate``), the rules
+  between fields that every method shares, and the method's own refusals
+  (``METHODS[method].check``);
+- ``check_launch``: the options against the launch (processes, mixed precision);
+- ``check_data``: the options against the data (``METHODS[method].check_data``);
+- ``check_steps``: the options against a checkpoint's step.
+
+Defaults that depend on other options are left at None and resolved in one place,
+``TrainConfig.resolved()``: the shared ones here, each method's in its module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from accelerate import Accelerator
+
+from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
+from contrastive_accelerate.config import ConfigError, flag, option, validate
+from contrastive_accelerate.data import batches_per_epoch
+from contrastive_accelerate.launch import SUPPORTED_DISTRIBUTED_TYPES, TrainerError
+from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS, PAIR_LOSSES
+from contrastive_accelerate.optim import OPTIMIZERS
+from losses.dino import CENTER_FORMULAS
+from models import BACKBONES
+from models.simclr import VIT_SIZES
+from models.text import POOLINGS
+
+REPORT_TO = ("none", "tensorboard", "wandb", "all")
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a run: a ``--flag`` and a config-file key each. ``resume`` says
+    whether a resumed run may change it (default "refuse"; ``contrastive_accelerate.config``).
+    Options left at None take the derived defaults of ``resolved()``."""
+
+    # Data
+    dataset: str | None = option(
+        None, "hub name, folder, save_to_disk dir or data file; none: the offline digits"
+    )
+    dataset_config: str | None = option(None, "the dataset's configuration (load_dataset's name=)")
+    split: str = option("train", "the split to train on")
+    image_column: str | None = option(None, "none: the first of image, img, pixel_values")
+    label_column: str | None = option(None, "none: the first of label, labels, fine_label")
+    eval_split: str = option(
+        "auto", "evaluation split: auto (test, validation, valid or val) or a name", resume="free"
+    )
+    eval_holdout: float = option(
+        0.2, "share of the training split held out if no evaluation split; 0: none",
+        at_least=0.0, below=1.0,
+    )  # fmt: skip
+    image_size: int | None = option(None, "none: 8 for the digits, else 32", at_least=1)
+    augment: bool = option(True, "SimCLR's random augmentations")
+    crop_min_scale: float | None = option(
+        None, "smallest crop area fraction; none: 0.5 for the 8x8 digits, else 0.2",
+        above=0.0, at_most=1.0,
+    )  # fmt: skip
+    horizontal_flip: bool | None = option(
+        None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
+    )
+    skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
+    num_workers: int | None = option(
+        None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
+    )
+    # Method, model and loss
+    method: str | None = option(
+        None, "simclr (--loss), moco (v3), byol, dino, pairs; none: simclr, pairs if --columns",
+        choices=METHODS,
+    )  # fmt: skip
+    model: str = option("resnet18", "encoder", choices=BACKBONES)
+    dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
+    loss: str | None = option(
+        None, "objective, exact on any number of processes; none: ntxent, pairs: mnrl / infonce",
+        choices=tuple(dict.fromkeys((*LOSSES, *PAIR_LOSSES))),
+    )  # fmt: skip
+    temperature: float | None = option(
+        None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",
+        resume="apply", above=0.0,
+    )  # fmt: skip
+    dclw_sigma: float = option(0.5, "dclw: scale of the vMF weights", resume="apply", above=0.0)
+    supcon_rescale: bool = option(False, "supcon: loss times the temperature", resume="apply")
+    logit_scale_init: float | None = option(
+        None, "infonce, siglip: initial learnable scale; none: 1/0.07 and 10", above=0.0
+    )
+    logit_bias_init: float = option(-10.0, "siglip: initial learnable bias")
+    barlow_lambda: float = option(
+        5e-3, "barlowtwins: weight of the off-diagonal terms", resume="apply", at_least=0.0
+    )
+    vicreg_lambda: float = option(
+        25.0, "vicreg: weight of the invariance term", resume="apply", at_least=0.0
+    )
+    vicreg_mu: float = option(
+        25.0, "vicreg: weight of the variance term", resume="apply", at_least=0.0
+    )
+    vicreg_nu: float = option(
+        1.0, "vicreg: weight of the covariance term", resume="apply", at_least=0.0
+    )
+    loss_tile_rows: int | None = option(
+        None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
+    )
+    teacher_momentum: float | None = option(
+        None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: 0.99, else 0.996",
+        resume="apply", at_least=0.0, at_most=1.0,
+    )  # fmt: skip
+    queue_size: int = option(
+        0, "moco, simclr with ntxent: a queue of past keys as negatives; 0: none", at_least=0
+    )
+    dino_out_dim: int = option(1024, "dino: outputs of DINO's head", at_least=1)
+    center_momentum: float = option(
+        0.9, "dino: EMA momentum of the teacher's center", resume="apply", at_least=0.0, at_most=1.0
+    )
+    teacher_temperature: float = option(
+        0.04, "dino: teacher temperature after the warm-up", resume="apply", above=0.0
+    )
+    teacher_temperature_warmup_steps: int = option(
+        0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
+    )
+    freeze_last_layer: int = option(
+        1, "dino: epochs the head's last layer stays frozen (DINO's)", resume="apply", at_least=0
+    )
+    global_crops: int = option(2, "dino: global crops per sample", at_least=1)
+    local_crops: int | None = option(
+        None, "dino: local crops per sample; none: 6, or 0 for the mlp", at_least=0
+    )
+    local_crop_size: int | None = option(
+        None, "dino: local crop size; none: half of --image-size", at_least=1
+    )
+    dropout: float | None = option(
+        None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
+    )
+    drop_path: float = option(
+        0.0, "vit: stochastic depth of the last block, linear from 0 (DINO: 0.1)",
+        at_least=0.0, below=1.0,
+    )  # fmt: skip
+    sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
+    # Text pairs (--method pairs)
+    columns: str | None = option(
+        None, "pairs: columns anchor,positive[,negative...] (sentence-transformers' order)"
+    )
+    text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
+    text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
+    max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
+    two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
+    unique_texts: bool = option(False, "pairs: no text twice in a global batch")
+    projection_dim: int = option(0, "pairs: a linear projection's width; 0: none", at_least=0)
+    mnrl_scale: float = option(
+        20.0, "mnrl: similarity scale (1 / temperature)", resume="apply", above=0.0
+    )
+    mnrl_symmetric: bool = option(
+        False, "mnrl: also each positive against every anchor", resume="apply"
+    )
+    zero_shot_template: str | None = option(
+        None, 'image-text: zero-shot evaluation with e.g. "a photo of a {}"', resume="free"
+    )
+    # Optimisation
+    batch_size: int = option(64, "global batch size, split across processes", at_least=2)
+    accumulation_chunks: int = option(
+        1, "gradient caching: embed each share in K chunks", resume="apply", at_least=1
+    )
+    epochs: int = option(45, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
+    max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
+    drop_last: bool = option(False, "drop each epoch's short last batch")
+    optimizer: str | None = option(
+        None, "none: sgd; lars for barlowtwins and vicreg, adamw for pairs", choices=OPTIMIZERS
+    )
+    lr: float | None = option(
+        None,
+        "peak lr; none: sgd 0.03, lars 0.2, adamw 1e-3 (5e-5: pretrained text)",
+        resume="apply",
+        above=0.0,
+    )
+    momentum: float = option(0.9, "SGD / LARS momentum", resume="apply", at_least=0.0, below=1.0)
+    weight_decay: float = option(5e-4, "weight decay", resume="apply", at_least=0.0)
+    warmup_steps: int = option(10, "linear warm-up steps, then cosine", resume="apply", at_least=0)
+    seed: int = option(0, "seed of the weights, the data order and every draw", at_least=0)
+    # Run
+    output_dir: str = option("runs/simclr", "checkpoints, final model, metrics", resume="free")
+    overwrite_output_dir: bool = option(
+        False, "replace another run's checkpoints and final model", resume="free"
+    )
+    resume_from: str | None = option(
+        None, "a checkpoint directory, or latest (the newest in --output-dir)", resume="free"
+    )
+    save_every: int = option(0, "steps between checkpoints; 0: none", resume="free", at_least=0)
+    save_total_limit: int | None = option(
+        None, "keep the newest N checkpoints; none: all", resume="free", at_least=1
+    )
+    eval_every: int = option(
+        0, "steps between kNN evaluations; 0: at start and end", resume="free", at_least=0
+    )
+    knn_k: int = option(20, "kNN neighbours; 0: no evaluation", resume="free", at_least=0)
+    linear_probe: bool = option(True, "a linear probe too, at the end", resume="free")
+    eval_teacher: bool = option(
+        False, "moco, byol, dino: evaluate the teacher's encoder, as the papers do", resume="free"
+    )
+    log_every: int = option(10, "steps between logged losses", resume="free", at_least=1)
+    report_to: str = option(
+        "none", "trackers besides metrics.jsonl", resume="free", choices=REPORT_TO
+    )
+    collective_timeout: float | None = option(
+        None, "seconds a collective waits for a stalled rank", resume="free", above=0.0
+    )
+    # Negative controls: each reproduces what breaks world-size invariance elsewhere.
+    gather: bool = option(True, "--no-gather: negatives of the local batch only")
+    dropout_masks: str = option(
+        "per-sample", "per-process: torch's nn.Dropout", choices=("per-sample", "per-process")
+    )
+    augmentation_seeding: str = option(
+        "per-sample", "per-process: seed + rank", choices=("per-sample", "per-process")
+    )
+    data_sharding: str = option(
+        "exact", "accelerate: padded batches", choices=("exact", "accelerate")
+    )
+    queue_keys: str = option(
+        "global", "per-rank: lightly's default, each rank queues its own keys",
+        choices=("global", "per-rank"),
+    )  # fmt: skip
+    dino_center: str = option(
+        "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
+    )
+    attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.overwrite_output_dir and self.resume_from:
+            raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
+        method = self.chosen_method
+        for name in METHOD_OPTIONS:
+            default = next(f.default for f in dataclasses.fields(self) if f.name == name)
+            if getattr(self, name) != default and name not in METHODS[method].options:
+                raise ConfigError(f"{flag(name)} does not apply to --method {method}")
+        if self.drop_path and self.model not in VIT_SIZES:
+            raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
+        if self.dropout and self.model not in ("mlp", *VIT_SIZES):
+            raise ConfigError(
+                f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
+            )
+        METHODS[method].check(self)
+
+    @property
+    def chosen_method(self) -> str:
+        """``--method``, or its default: pairs with ``--columns``, else simclr."""
+        return self.method or ("pairs" if self.columns else "simclr")
+
+    @classmethod
+    def from_saved(cls, values: dict) -> TrainConfig:
+        """The options a checkpoint saved; those this version does not know are left out."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in values.items() if name in names})
+
+    def resolved(self) -> TrainConfig:
+        """Every option left at None given its derived default: from the dataset (the
+        digits are 8x8) and the model, then the method's own (``METHODS[...].defaults``),
+        then the shared fallbacks, and the learning rate from the optimizer."""
+        digits = self.dataset is None
+        config = _fill(
+            self,
+            method=self.chosen_method,
+            image_size=8 if digits else 32,
+            dropout=0.1 if self.model in VIT_SIZES else 0.0,
+            crop_min_scale=0.5 if digits else 0.2,
+            horizontal_flip=not digits,
+        )
+        config = _fill(config, **METHODS[config.method].defaults(config))
+        config = _fill(config, optimizer="sgd", temperature=0.5)
+        return _fill(config, lr={"lars": 0.2, "sgd": 0.03}.get(config.optimizer, 1e-3))
+
+
+def _fill(config: TrainConfig, **defaults) -> TrainConfig:
+    """``config`` with each option that is None set to its entry of ``defaults``."""
+    values = {name: value for name, value in defaults.items() if getattr(config, name) is None}
+    return dataclasses.replace(config, **values) if values else config
+
+
+def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator: bool) -> None:
+    """Refuse, in one line, what Accelerate would run but the options cannot honour."""
+    world_size = accelerator.num_processes
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and world_size == 1:
+        raise TrainerError(
+            f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
+            f"({accelerator.distributed_type}): each process would train alone"
+        )
+    if accelerator.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
+        raise TrainerError(
+            f"{accelerator.distributed_type} is not supported: the trainer keeps a full "
+            "replica per process (DDP); launch with a multi-GPU, multi-CPU or single-process config"
+        )
+    accumulation = max(
+        accelerator.gradient_accumulation_steps, launcher_gradient_accumulation_steps()
+    )
+    if accumulation > 1:
+        raise TrainerError(
+            f"gradient accumulation ({accumulation} steps) is not supported: each micro-batch "
+            "would see only its own negatives, a different contrastive objective; use the "
+            f"trainer's --accumulation-chunks {accumulation} (gradient caching: the same memory "
+            "saving, every negative)"
+        )
+    precision = accelerator.mixed_precision
+    if precision == "fp8":
+        raise TrainerError("--mixed_precision fp8 is not supported; use bf16 or fp16")
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        raise TrainerError(
+            "--mixed_precision fp16 needs a GPU: on the CPU Accelerate would silently train in "
+            "float32; use --mixed_precision bf16"
+        )
+    if config.dtype == "float64" and precision != "no":
+        raise TrainerError("--dtype float64 cannot be combined with mixed precision")
+    if config.batch_size % world_size:
+        raise TrainerError(
+            f"--batch-size {config.batch_size} is the global batch: it must be divisible by "
+            f"the {world_size} processes"
+        )
+    if not own_accelerator:
+        if config.report_to != "none" or config.collective_timeout is not None:
+            raise TrainerError(
+                "--report-to and --collective-timeout configure the Accelerator that train() "
+                "makes; with your own, pass log_with / InitProcessGroupKwargs to it instead"
+            )
+    elif config.report_to in ("tensorboard", "wandb") and not importlib.util.find_spec(
+        config.report_to
+    ):
+        raise TrainerError(
+            f"--report-to {config.report_to}: {config.report_to} is not installed "
+            f"(pip install {config.report_to})"
+        )
+
+
+def check_data(config: TrainConfig, data) -> None:
+    """Refuse what the options ask of these data (``config`` resolved)."""
+    if batches_per_epoch(len(data.train), config.batch_size, config.drop_last) == 0:
+        raise TrainerError(
+            f"--batch-size {config.batch_size} exceeds the {len(data.train)} training samples "
+            "with --drop-last"
+        )
+    METHODS[config.method].check_data(config, data)
+
+
+def check_steps(step: int, total_steps: int) -> None:
+    """Refuse a resumed run that its options leave nothing to train."""
+    if step >= total_steps:
+        raise TrainerError(
+            f"nothing to train: the checkpoint is at step {step} and the run ends at step "
+            f"{total_steps}; raise --max-steps or --epochs"
+        )
