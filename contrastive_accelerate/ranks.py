@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from contrastive_accelerate.collectives import host_group, is_distributed
 from contrastive_accelerate.compat import default_store
+from losses.inputs import ShareSizes
 
 T = TypeVar("T")
 
@@ -46,6 +47,12 @@ class StepChecks:
 
     def __init__(self, device: torch.device) -> None:
         self.first_non_finite = torch.full((), _NEVER, dtype=torch.int64, device=device)
+        self.problems: list[str] = []
+
+    def known_sizes(self, sizes: list[int]) -> ShareSizes:
+        """Every rank's number of rows, for the losses: those that find this rank's rows
+        differ note it here (``losses.inputs``), and ``raise_if_any`` raises it."""
+        return ShareSizes(sizes, self.problems)
 
     def record(self, step: int, loss: torch.Tensor) -> None:
         """Remember ``step`` if ``loss`` is not finite (no host read)."""
@@ -55,7 +62,7 @@ class StepChecks:
     def raise_if_any(self) -> None:
         """Raise on every rank if any rank recorded a problem since the start (one small
         all-reduce and one read; the messages travel only when there is one)."""
-        problems = take_deferred_problems()
+        problems, self.problems[:] = list(self.problems), []
         flags = torch.stack(
             [self.first_non_finite, torch.full_like(self.first_non_finite, -len(problems))]
         )
@@ -69,23 +76,6 @@ class StepChecks:
                 f"the loss is not finite at step {step + 1} (NaN or Inf in the embeddings "
                 "or in the loss: check the learning rate and the inputs)"
             )
-
-
-def defer_problem(message: str) -> None:
-    """Keep a problem found on this rank without a collective (a loss given wrong sizes)
-    for the next ``StepChecks.raise_if_any``: raising now would leave the other ranks
-    waiting in the next collective."""
-    _deferred.append(message)
-
-
-def take_deferred_problems() -> list[str]:
-    """The problems ``defer_problem`` kept on this rank since the last call."""
-    problems = list(_deferred)
-    _deferred.clear()
-    return problems
-
-
-_deferred: list[str] = []
 
 
 def raise_together(error: Exception | None) -> None:

@@ -8,13 +8,15 @@ collectives live in ``contrastive_accelerate.collectives``.
 Every ``forward`` also takes ``sizes=`` (keyword), every rank's number of samples when
 the caller knows them, as ``trainer.py``'s sampler does: the loss then exchanges
 nothing and reads no device value, and leaves value checks to the caller
-(``losses.inputs``). Without it, the sizes are exchanged and bad input raises a
+(``losses.inputs``; a ``ShareSizes`` collects a rank's wrong row count for the caller's
+next check). Without it, the sizes are exchanged and bad input raises a
 ``ValueError`` on every rank at once.
 """
 
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
+from losses.inputs import ShareSizes
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
 from losses.ranking import MultipleNegativesRankingLoss
@@ -31,6 +33,7 @@ __all__ = [
     "MultipleNegativesRankingLoss",
     "NegativeCosineSimilarityLoss",
     "NTXentLoss",
+    "ShareSizes",
     "SigLIPLoss",
     "SupConLoss",
     "VICRegLoss",

@@ -12,8 +12,10 @@ training step never waits for the device. Then:
 - shape problems, which are host metadata, still raise (on every rank, when every
   rank runs the same model, as under DDP);
 - a rank whose row count is not its entry of ``sizes`` trains that step on its rows
-  cut or zero-padded to it, so that every collective still matches, and records the
-  problem (``contrastive_accelerate.ranks.defer_problem``) for the caller's next check;
+  cut or zero-padded to it, so that every collective still matches, and notes the
+  problem in ``sizes.problems`` when the caller passes a ``ShareSizes`` (the trainer's
+  ``StepChecks`` raises it on every rank at its next check); given a plain list, it
+  raises at once on that rank, and the other ranks fail at the collective timeout;
 - values are not checked: NaN or Inf in the inputs (or a non-finite scale) give a
   non-finite loss, which the caller checks when it reads the loss anyway.
 """
@@ -27,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from contrastive_accelerate.collectives import all_gather_sizes, is_distributed
-from contrastive_accelerate.ranks import defer_problem
 
 _SHAPES, _NOT_2D, _NOT_FINITE, _LABELS, _SCALARS = 1, 2, 3, 4, 5
 _PROBLEMS = {
@@ -67,6 +68,24 @@ def local_problem(
         if value.numel() != 1 or not math.isfinite(float(value.detach())):
             return _SCALARS, _PROBLEMS[_SCALARS]
     return None
+
+
+class ShareSizes(list):
+    """Every rank's number of rows as the caller knows them (a list of ints), and
+    ``problems``: where a loss given these sizes notes that this rank's rows differ from
+    its entry. Raising there would leave the other ranks waiting in the next collective;
+    the caller raises the notes on every rank at a point where all ranks meet.
+
+    Example::
+
+        sizes = ShareSizes(sampler.share_sizes(batch))
+        loss = NTXentLoss()(z0, z1, sizes=sizes)
+        assert not sizes.problems
+    """
+
+    def __init__(self, sizes, problems: list[str] | None = None) -> None:
+        super().__init__(sizes)
+        self.problems = [] if problems is None else problems
 
 
 class CheckedBatch(NamedTuple):
@@ -109,17 +128,19 @@ def check_batch(
         return CheckedBatch(rank, world_size, sizes, (x0, x1, labels))
     if problem:
         raise ValueError(f"{name}: {problem[1]}")
-    sizes = list(sizes)
     if len(sizes) != world_size:
         raise ValueError(f"{name}: sizes has {len(sizes)} entries for {world_size} ranks")
     inputs = (x0, x1, labels)
     if x0.shape[0] != sizes[rank]:
-        defer_problem(
+        message = (
             f"{name}: rank {rank} has {x0.shape[0]} rows where the given sizes say "
-            f"{sizes[rank]} ({sizes})"
+            f"{sizes[rank]} ({list(sizes)})"
         )
+        if not isinstance(sizes, ShareSizes):
+            raise ValueError(message)
+        sizes.problems.append(message)
         inputs = tuple(None if t is None else _fit_rows(t, sizes[rank]) for t in inputs)
-    return CheckedBatch(rank, world_size, sizes, inputs)
+    return CheckedBatch(rank, world_size, list(sizes), inputs)
 
 
 def _fit_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from contrastive_accelerate.data.sources import first_line
 from models.dropout import SampleDropout, sample_randomness
 
 POOLINGS = ("cls", "mean")
@@ -56,7 +55,9 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
             name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
         )
     except Exception as error:  # transformers raises many types; the user needs one line
-        raise TextError(f"cannot load --text-model {name_or_path!r}: {first_line(error)}") from None
+        raise TextError(
+            f"cannot load --text-model {name_or_path!r}: {_first_line(error)}"
+        ) from None
     if getattr(encoder, "pooler", None) is not None:
         # Our pooling replaces BERT-style poolers: their weights would take no gradient,
         # which DDP refuses, and weight decay would still shrink them.
@@ -363,3 +364,8 @@ def switch_off_kernel_dropout(
             f"off: {shown} (e.g. attention dropout under SDPA)"
         )
     return silent
+
+
+def _first_line(error: Exception) -> str:
+    # transformers' messages run to many lines; the user needs the first.
+    return (str(error).strip() or type(error).__name__).splitlines()[0]

@@ -120,7 +120,8 @@ def test_negative_control_one_item_per_step_is_counted():
 def wrong_sizes_worker(rank: int, world_size: int, loss_name: str) -> str:
     """Rank 1 holds 2 rows where the given sizes say 3: no hang, and one error on every
     rank at the next check."""
-    sizes = [4, 3]
+    checks = StepChecks(torch.device("cpu"))
+    sizes = checks.known_sizes([4, 3])
     rows = 2 if rank == 1 else sizes[rank]
     x0, x1 = torch.randn(rows, 8, requires_grad=True), torch.randn(rows, 8)
     if loss_name == "siglip":
@@ -129,7 +130,7 @@ def wrong_sizes_worker(rank: int, world_size: int, loss_name: str) -> str:
         value = NTXentLoss()(x0, x1, sizes=sizes)
     value.backward()  # the backward collective matches on every rank too
     try:
-        StepChecks(torch.device("cpu")).raise_if_any()
+        checks.raise_if_any()
     except ValueError as error:
         return str(error)
     return "no error"
@@ -140,6 +141,23 @@ def test_wrong_given_sizes_fail_on_every_rank_at_the_next_check(loss_name):
     messages = run_on_ranks(wrong_sizes_worker, 2, loss_name)
     print(messages)
     assert all("rank 1 has 2 rows where the given sizes say 3" in m for m in messages), messages
+
+
+def plain_sizes_worker(rank: int, world_size: int) -> str:
+    """Rank 1 holds 2 rows where a plain list of sizes says 3: with no ``ShareSizes`` to
+    note it in, the loss raises at once, before its first collective (rank 0 makes none)."""
+    if rank == 0:
+        return "not called"
+    try:
+        NTXentLoss()(torch.randn(2, 8), torch.randn(2, 8), sizes=[4, 3])
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_wrong_sizes_in_a_plain_list_raise_at_once_on_their_rank():
+    messages = run_on_ranks(plain_sizes_worker, 2)
+    assert "rank 1 has 2 rows where the given sizes say 3" in messages[1], messages
 
 
 def non_finite_worker(rank: int, world_size: int) -> list[str]:
