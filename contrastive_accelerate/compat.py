@@ -46,6 +46,19 @@ def forget_prepared(accelerator: accelerate.Accelerator, count: tuple[int, int])
     del accelerator._models[count[0] :], accelerator._optimizers[count[1] :]
 
 
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process state (Accelerate 1.0 - 1.16), as a new process has none.
+
+    Accelerate keeps it in class-level singletons that no public call clears; its own
+    tests reset them this way between runs. The test pool's workers run one launched
+    process's trainer after another, and need each to start as a new process would."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    GradientState._reset_state()
+
+
 def shutdown_workers(loader: DataLoader) -> None:
     """Stop a DataLoader's persistent workers now (torch 2.4 - 2.14.1).
 

@@ -179,7 +179,7 @@ def fresh_process_state(rank: int, world_size: int, port: int, environment: dict
     process's, 0.0."""
     import torch
     import torch.distributed as dist
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from contrastive_accelerate.compat import reset_accelerate_state
 
     if not _FRESH:  # the first call: the worker as spawned
         _FRESH.update(
@@ -190,11 +190,7 @@ def fresh_process_state(rank: int, world_size: int, port: int, environment: dict
         )
     if dist.is_initialized():
         dist.destroy_process_group()
-    # Accelerate keeps its process state in class-level singletons; its own tests reset
-    # them this way between runs.
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
-    GradientState._reset_state()
+    reset_accelerate_state()
     os.environ.clear()
     os.environ.update(environment)
     if world_size > 1:  # what torchrun sets for each worker

@@ -83,3 +83,12 @@ def test_batchnorm_base_covers_every_batchnorm():
     layers = [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), SyncBatchNorm(2)]
     assert all(isinstance(layer, compat.BatchNormBase) for layer in layers)
     assert not isinstance(nn.LayerNorm(2), compat.BatchNormBase)
+
+
+def test_reset_accelerate_state_forgets_the_process_state():
+    from accelerate.state import is_initialized
+
+    Accelerator(cpu=True)
+    assert is_initialized()
+    compat.reset_accelerate_state()
+    assert not is_initialized()

@@ -146,7 +146,7 @@ def test_a_hung_rank_fails_within_the_timeout_and_the_next_run_gets_fresh_worker
     assert (tmp_path / "next" / "final" / "model.safetensors").exists()
 
 
-def _pid(rank: int, world_size: int) -> int:
+def worker_pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
@@ -156,7 +156,7 @@ def _fail_on_rank_one(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-def _summed_pid(rank: int, world_size: int) -> tuple[int, int]:
+def summed_workerworker_pid(rank: int, world_size: int) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
@@ -168,10 +168,10 @@ def _summed_pid(rank: int, world_size: int) -> tuple[int, int]:
 def test_a_check_that_raises_on_a_rank_keeps_its_workers_in_a_new_group():
     """Every rank came back, so no worker is stuck: the next check runs on the same
     processes (no imports again) in a group made anew, and its collectives work."""
-    before = [pid for pid, _ in run_on_ranks(_summed_pid, 2)]
+    before = [pid for pid, _ in run_on_ranks(summed_workerworker_pid, 2)]
     with pytest.raises(RuntimeError, match="rank 1 failed"):
         run_on_ranks(_fail_on_rank_one, 2)
-    after = run_on_ranks(_summed_pid, 2)
+    after = run_on_ranks(summed_workerworker_pid, 2)
     assert [pid for pid, _ in after] == before
     assert [total for _, total in after] == [3, 3]
 
@@ -182,12 +182,12 @@ def test_a_check_that_raises_on_a_rank_keeps_its_workers_in_a_new_group():
 POOL_SCRIPT = """
 import json, multiprocessing, time
 from contrastive_accelerate.testing import run_in_workers, run_on_ranks
-from test_pool import _pid
-shared = run_in_workers(_pid, 2)
-same = run_on_ranks(_pid, 2) == shared == run_in_workers(_pid, 2)
+from test_pool import worker_pid
+shared = run_in_workers(worker_pid, 2)
+same = run_on_ranks(worker_pid, 2) == shared == run_in_workers(worker_pid, 2)
 most = 0
 for world_size in (1, 2, 3, 4, 1):
-    assert len(run_on_ranks(_pid, world_size)) == world_size
+    assert len(run_on_ranks(worker_pid, world_size)) == world_size
     most = max(most, len(multiprocessing.active_children()))
 live = [child.pid for child in multiprocessing.active_children()]
 print(json.dumps({"shared": same, "most": most, "live": live}), flush=True)
