@@ -2,7 +2,7 @@
 and make small offline datasets.
 
 ``train_pooled`` is how tests train: the run goes to W persistent worker processes
-(``contrastive_accelerate.testing.run_in_workers``) that call ``trainer.main`` as a
+(``contrastive_accelerate.workers.run_in_workers``) that call ``trainer.main`` as a
 launched process would, with the launcher's environment and a rendezvous of its own,
 so a run costs its training, not W interpreter starts and imports. ``launch`` goes
 through ``accelerate launch`` and is kept for what only the launcher proves (see
@@ -121,7 +121,7 @@ def train_pooled(
     seconds, naming the ranks that never returned, and the next run gets fresh workers.
     ``environment``: what the launcher's flags would add to ``ENV`` (``accelerate launch
     --mixed_precision bf16`` sets ``ACCELERATE_MIXED_PRECISION=bf16``)."""
-    from contrastive_accelerate.testing import free_port, run_in_workers
+    from contrastive_accelerate.workers import free_port, run_in_workers
 
     per_rank = run_in_workers(
         _trainer_main,
@@ -179,6 +179,7 @@ def fresh_process_state(rank: int, world_size: int, port: int, environment: dict
     process's, 0.0."""
     import torch
     import torch.distributed as dist
+
     from contrastive_accelerate.compat import reset_accelerate_state
 
     if not _FRESH:  # the first call: the worker as spawned

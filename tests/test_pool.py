@@ -28,7 +28,7 @@ import time
 import psutil
 import pytest
 
-from contrastive_accelerate.testing import MAX_POOLED_WORKERS, run_in_workers, run_on_ranks
+from contrastive_accelerate.workers import MAX_POOLED_WORKERS, run_in_workers, run_on_ranks
 
 from launch import ENV, REPO, final_files_difference, launch, train_pooled
 
@@ -181,7 +181,7 @@ def test_a_check_that_raises_on_a_rank_keeps_its_workers_in_a_new_group():
 #: prints what it saw and waits to be killed.
 POOL_SCRIPT = """
 import json, multiprocessing, time
-from contrastive_accelerate.testing import run_in_workers, run_on_ranks
+from contrastive_accelerate.workers import run_in_workers, run_on_ranks
 from test_pool import worker_pid
 shared = run_in_workers(worker_pid, 2)
 same = run_on_ranks(worker_pid, 2) == shared == run_in_workers(worker_pid, 2)
