@@ -3,7 +3,7 @@
     python -m benchmarks.gpu                         # one CUDA GPU, ~5-8 min
     python -m benchmarks.gpu --device cpu --quick    # smoke test (CI)
 
-Writes ``benchmarks/gpu_results.json`` and prints a table for the README:
+Writes ``benchmarks/gpu_results.json`` and prints a table for docs/benchmarks.md:
 - NT-Xent forward+backward against lightly at N = 4096, 16384 and 65536 pairs (ours
   tiles automatically): median time and ``torch.cuda.max_memory_allocated`` beyond the
   inputs (lightly's dense 2N x 2N logits do not fit at 65536: reported as failed).

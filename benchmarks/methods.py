@@ -193,7 +193,7 @@ def main() -> None:
     lines = table_lines(results)
     print("\n".join(lines))
     if not args.quick:
-        standalone.write_readme("methods", lines)
+        standalone.write_docs("methods", lines, "methods.md")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def main() -> None:
     lines = table_lines(results)
     print("\n".join(lines))
     if not args.quick and not args.trainer_args:  # only the default recipe's figure goes there
-        standalone.write_readme("quality", lines)
+        standalone.write_docs("quality", lines, "benchmarks.md")
 
 
 if __name__ == "__main__":

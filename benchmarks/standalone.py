@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def main(
@@ -39,9 +39,10 @@ def merge(path: str, name: str, results: dict) -> None:
         json.dump(everything, file, indent=2)
 
 
-def write_readme(name: str, lines: list[str], path: Path = README) -> None:
-    """Replace the README's text between ``<!-- benchmarks.NAME: start -->`` and its end
-    marker with ``lines``: the one place of a benchmark's figures."""
+def write_docs(name: str, lines: list[str], page: str) -> None:
+    """Replace the text of ``docs/PAGE`` between ``<!-- benchmarks.NAME: start -->`` and
+    its end marker with ``lines``: the one place of a benchmark's figures."""
+    path = DOCS / page
     start_marker, end_marker = (
         f"<!-- benchmarks.{name}: start -->",
         f"<!-- benchmarks.{name}: end -->",

@@ -20,7 +20,8 @@ import pytest
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.knn import RawPixels, knn_data, knn_top1
-from contrastive_accelerate.launch import TrainerError, check_launch
+from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.options import TrainConfig, check_launch
 
 from launch import launch, make_image_folder, one_line_errors, train_pooled
 
@@ -245,14 +246,7 @@ def test_refuses_single_process_accelerate_under_a_multi_process_launch(monkeypa
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(TrainerError, match="WORLD_SIZE=2 but Accelerate runs one"):
-        check_launch(
-            SingleProcessAccelerator(),
-            True,
-            batch_size=128,
-            dtype="float32",
-            report_to="none",
-            collective_timeout=None,
-        )
+        check_launch(TrainConfig(batch_size=128), SingleProcessAccelerator(), True)
 
 
 def test_resume_on_a_different_number_of_processes(tmp_path):
