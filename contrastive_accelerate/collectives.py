@@ -76,6 +76,25 @@ def host_group() -> dist.ProcessGroup | None:
 _host_groups: dict[int, dist.ProcessGroup] = {}
 
 
+class ShareSizes(list):
+    """Every rank's number of rows as the caller knows them (a list of ints), and
+    ``problems``: where a loss given these sizes (``losses.inputs``) notes that this
+    rank's rows differ from its entry. Raising there would leave the other ranks waiting
+    in the next collective; the caller raises the notes on every rank at a point where
+    all ranks meet.
+
+    Example::
+
+        sizes = ShareSizes(sampler.share_sizes(batch))
+        loss = NTXentLoss()(z0, z1, sizes=sizes)
+        assert not sizes.problems
+    """
+
+    def __init__(self, sizes, problems: list[str] | None = None) -> None:
+        super().__init__(sizes)
+        self.problems = [] if problems is None else problems
+
+
 def all_gather_sizes(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, error_code: int = 0
 ) -> tuple[list[int], list[int]]:

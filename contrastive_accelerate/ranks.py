@@ -15,9 +15,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from contrastive_accelerate.collectives import host_group, is_distributed
+from contrastive_accelerate.collectives import ShareSizes, host_group, is_distributed
 from contrastive_accelerate.compat import default_store
-from losses.inputs import ShareSizes
 
 T = TypeVar("T")
 

@@ -13,10 +13,10 @@ next check). Without it, the sizes are exchanged and bad input raises a
 ``ValueError`` on every rank at once.
 """
 
+from contrastive_accelerate.collectives import ShareSizes
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
-from losses.inputs import ShareSizes
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
 from losses.ranking import MultipleNegativesRankingLoss

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from contrastive_accelerate.collectives import all_gather_sizes, is_distributed
+from contrastive_accelerate.collectives import ShareSizes, all_gather_sizes, is_distributed
 
 _SHAPES, _NOT_2D, _NOT_FINITE, _LABELS, _SCALARS = 1, 2, 3, 4, 5
 _PROBLEMS = {
@@ -68,24 +68,6 @@ def local_problem(
         if value.numel() != 1 or not math.isfinite(float(value.detach())):
             return _SCALARS, _PROBLEMS[_SCALARS]
     return None
-
-
-class ShareSizes(list):
-    """Every rank's number of rows as the caller knows them (a list of ints), and
-    ``problems``: where a loss given these sizes notes that this rank's rows differ from
-    its entry. Raising there would leave the other ranks waiting in the next collective;
-    the caller raises the notes on every rank at a point where all ranks meet.
-
-    Example::
-
-        sizes = ShareSizes(sampler.share_sizes(batch))
-        loss = NTXentLoss()(z0, z1, sizes=sizes)
-        assert not sizes.problems
-    """
-
-    def __init__(self, sizes, problems: list[str] | None = None) -> None:
-        super().__init__(sizes)
-        self.problems = [] if problems is None else problems
 
 
 class CheckedBatch(NamedTuple):

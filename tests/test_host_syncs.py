@@ -33,11 +33,13 @@ from trainer import TrainConfig
 from launch import one_line_errors, train_pooled
 
 BATCH = 7  # odd: the two ranks hold 4 and 3 samples
-#: --loss values of simclr, then the other methods (on the mlp: their steps add a teacher,
-#: a queue and a center, whose code paths do not depend on the encoder): (name, model, K).
-CASES = [
-    (name, model, chunks) for model in ("mlp", "resnet18") for name in LOSSES for chunks in (1, 3)
-] + [
+#: (name, model, K): every --loss of simclr on the mlp, then ResNet-18 with SyncBatchNorm for
+#: NT-Xent and Barlow Twins (whose projector has BatchNorm too): a loss's reads do not depend
+#: on the encoder, nor SyncBatchNorm's on the loss. Then the other methods, on the mlp:
+#: their steps add a teacher, a queue and a center, whose code paths do not depend on it.
+CASES = [(name, "mlp", chunks) for name in LOSSES for chunks in (1, 3)]
+CASES += [("ntxent", "resnet18", 1), ("ntxent", "resnet18", 3), ("barlowtwins", "resnet18", 1)]
+CASES += [
     (method, "mlp", chunks)
     for method in METHODS
     if method not in ("simclr", "pairs")
