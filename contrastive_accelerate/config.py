@@ -63,6 +63,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def is_set(config: Any, name: str) -> bool:
+    """Whether ``config``'s field ``name`` holds another value than its declared default."""
+    field = next(field for field in dataclasses.fields(config) if field.name == name)
+    return getattr(config, name) != field.default
+
+
 def _field_types(cls) -> dict[str, tuple[type, bool]]:
     """``{name: (base type, accepts None)}`` for every field of ``cls``."""
     hints = typing.get_type_hints(cls)
@@ -143,7 +149,7 @@ def resume_rules(cls) -> dict[str, str]:
     return {field.name: field.metadata["resume"] for field in dataclasses.fields(cls)}
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """Usage errors as one ``error:`` line (every rank prints its own), exit code 2."""
 
     def error(self, message: str) -> typing.NoReturn:
@@ -168,7 +174,7 @@ def parser(cls, description: str) -> argparse.ArgumentParser:
     Flags that are not given stay absent from the parsed namespace (``SUPPRESS``), so
     that a config file fills them and a flag on the command line overrides the file.
     """
-    result = _OneLineParser(description=description, argument_default=argparse.SUPPRESS)
+    result = OneLineParser(description=description, argument_default=argparse.SUPPRESS)
     result.add_argument(
         "--config",
         metavar="FILE",

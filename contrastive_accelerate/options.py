@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from accelerate import Accelerator
 
 from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
-from contrastive_accelerate.config import ConfigError, flag, option, validate
+from contrastive_accelerate.config import ConfigError, flag, is_set, option, validate
 from contrastive_accelerate.data import batches_per_epoch
 from contrastive_accelerate.launch import SUPPORTED_DISTRIBUTED_TYPES, TrainerError
 from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS, PAIR_LOSSES
@@ -235,10 +235,14 @@ class TrainConfig:
         if self.overwrite_output_dir and self.resume_from:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
         method = self.chosen_method
+        row = METHODS[method]
         for name in METHOD_OPTIONS:
-            default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-            if getattr(self, name) != default and name not in METHODS[method].options:
-                raise ConfigError(f"{flag(name)} does not apply to --method {method}")
+            if not is_set(self, name) or name in row.read_by(self):
+                continue
+            if name in row.options:  # the method reads it, with another loss
+                loss = self.loss or row.defaults(self)["loss"]
+                raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
+            raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         if self.drop_path and self.model not in VIT_SIZES:
             raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
@@ -254,9 +258,19 @@ class TrainConfig:
 
     @classmethod
     def from_saved(cls, values: dict) -> TrainConfig:
-        """The options a checkpoint saved; those this version does not know are left out."""
+        """The options a checkpoint saved; those this version does not know, and those
+        its method does not read (earlier versions resolved some for every method), are
+        left out."""
         names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{name: value for name, value in values.items() if name in names})
+        values = {name: value for name, value in values.items() if name in names}
+        shape = cls(
+            **{name: values[name] for name in ("method", "loss", "columns") if name in values}
+        )
+        read = METHODS[shape.chosen_method].read_by(shape)
+        return cls(
+            **{name: value for name, value in values.items()
+               if name not in METHOD_OPTIONS or name in read}
+        )  # fmt: skip
 
     def resolved(self) -> TrainConfig:
         """Every option left at None given its derived default: from the dataset (the
@@ -272,7 +286,7 @@ class TrainConfig:
             horizontal_flip=not digits,
         )
         config = _fill(config, **METHODS[config.method].defaults(config))
-        config = _fill(config, optimizer="sgd", temperature=0.5)
+        config = _fill(config, optimizer="sgd")
         return _fill(config, lr={"lars": 0.2, "sgd": 0.03}.get(config.optimizer, 1e-3))
 
 
@@ -347,8 +361,9 @@ def check_data(config: TrainConfig, data) -> None:
 
 
 def check_steps(step: int, total_steps: int) -> None:
-    """Refuse a resumed run that its options leave nothing to train."""
-    if step >= total_steps:
+    """Refuse a resumed run that its options leave nothing to do: at the last step, the
+    run still saves and evaluates (a signal may have stopped it there)."""
+    if step > total_steps:
         raise TrainerError(
             f"nothing to train: the checkpoint is at step {step} and the run ends at step "
             f"{total_steps}; raise --max-steps or --epochs"

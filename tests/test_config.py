@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
-from contrastive_accelerate.methods import DINO_OPTIONS, METHOD_OPTIONS, TEXT_OPTIONS
+from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.methods import DINO_OPTIONS, LOSSES, METHOD_OPTIONS, TEXT_OPTIONS
+from contrastive_accelerate.options import check_data
 from trainer import TrainConfig
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -34,6 +37,7 @@ def _other_value(field: dataclasses.Field):
 
 VALUES = {field.name: _other_value(field) for field in FIELDS}
 VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is valid
+VALUES["zero_shot_template"] = "a photo of a {}"  # the class name's place, marked
 # Options valid only beside another option's value.
 COMPANIONS = {
     "dropout": ["--model", "mlp"],
@@ -43,6 +47,12 @@ COMPANIONS = {
     "queue_keys": ["--method", "moco"],
     "eval_teacher": ["--method", "moco"],
     **{name: ["--method", "dino"] for name in DINO_OPTIONS},
+    **{
+        name: ["--loss", loss]
+        for loss, row in LOSSES.items()
+        for name in row.options
+        if name != "temperature"
+    },  # fmt: skip
     **{name: ["--columns", "anchor,positive"] for name in TEXT_OPTIONS if name != "columns"},
 }
 
@@ -73,9 +83,11 @@ def test_derived_defaults_are_resolved_in_one_place():
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
         expected = {"teacher_momentum", "local_crops", "local_crop_size"}  # no teacher, no crops
+        # What the loss does not read stays unset: a value there would be refused.
+        expected |= {"temperature"} if loss in ("infonce", "siglip", "vicreg") else set()
         expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
         assert left == expected, (loss, left)
-    for method, temperature, momentum in (("moco", 0.2, 0.99), ("byol", 0.5, 0.996)):
+    for method, temperature, momentum in (("moco", 0.2, 0.99), ("byol", None, 0.996)):
         resolved = TrainConfig(method=method).resolved()
         assert (resolved.temperature, resolved.teacher_momentum) == (temperature, momentum)
     dino = TrainConfig(method="dino").resolved()
@@ -116,6 +128,8 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
         {**shared, **moco, "resume_from": None},
         {**shared, **dino, "resume_from": None, "dropout": None, "model": "resnet34"},
     ]
+    # Each loss's own options, in a file of its own.
+    files += [{"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in LOSSES.items()]
     for values in files:
         values = {name: value for name, value in values.items() if value is not None}
         path = tmp_path / f"run{suffix}"
@@ -211,6 +225,34 @@ def test_usage_errors_are_one_line(capfd):
         ({"text_pooling": "cls"}, "--text-pooling does not apply to --method simclr"),
         ({"drop_path": 0.1}, "--drop-path applies to the vit encoders, not resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
+        (
+            {"columns": "a,b", "zero_shot_template": "a photo of {1}"},
+            r"--zero-shot-template 'a photo of \{1\}': mark the class name's place with one",
+        ),
+        ({"columns": "a,b", "zero_shot_template": "a photo"}, "mark the class name's place"),
+        ({"columns": "a,b", "zero_shot_template": "a {} of a {}"}, "mark the class name's place"),
+        # Options that a method or a loss does not read (issue 37, item 6).
+        ({"method": "byol", "temperature": 0.3}, "--temperature does not apply to --method byol"),
+        ({"loss": "infonce", "temperature": 0.3}, "--temperature does not apply to --loss infonce"),
+        ({"columns": "a,b", "temperature": 0.3}, "--temperature does not apply to --method pairs"),
+        ({"dclw_sigma": 0.3}, "--dclw-sigma does not apply to --loss ntxent"),
+        ({"method": "moco", "vicreg_mu": 1.0}, "--vicreg-mu does not apply to --method moco"),
+        (
+            {"columns": "a,b", "loss": "infonce", "two_towers": True},
+            "--two-towers does not apply to --loss infonce",
+        ),
+        (
+            {"columns": "a,b", "loss": "siglip", "mnrl_scale": 5.0},
+            "--mnrl-scale does not apply to --loss siglip",
+        ),
+        (
+            {"columns": "a,b", "loss": "mnrl", "logit_scale_init": 5.0},
+            "--logit-scale-init does not apply to --loss mnrl",
+        ),
+        (
+            {"columns": "a,b", "loss": "infonce", "logit_bias_init": -5.0},
+            "--logit-bias-init does not apply to --loss infonce",
+        ),
         ({"method": "dino", "model": "mlp", "local_crops": 2}, "use a resnet or a vit"),
         (
             {"method": "dino", "model": "vit_tiny", "image_size": 16, "local_crop_size": 5},
@@ -225,3 +267,30 @@ def test_usage_errors_are_one_line(capfd):
 def test_options_of_another_method_are_refused(options, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"two_towers": True},
+        {"mnrl_symmetric": True},
+        {"mnrl_scale": 5.0},
+        {"logit_bias_init": -5.0},
+    ],
+    ids=lambda options: next(iter(options)),
+)
+def test_text_pair_options_are_refused_when_the_data_are_image_text(options):
+    """Without --loss the data decide: these options read by text pairs (and SigLIP's
+    bias) are refused once the columns turn out to hold an image; the control, the same
+    options with text columns, passes."""
+    image_text = SimpleNamespace(
+        train=list(range(20)), image_column="image", label_column=None, evaluation=None
+    )
+    text = SimpleNamespace(**{**vars(image_text), "image_column": None})
+    config = TrainConfig(columns="image,caption", text_model="scratch", **options).resolved()
+    with pytest.raises(
+        TrainerError, match=f"{flag(next(iter(options)))} does not apply to image-text"
+    ):
+        check_data(config, image_text)
+    if "logit_bias_init" not in options:  # the text pairs' own options
+        check_data(config, text)

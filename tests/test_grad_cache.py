@@ -238,7 +238,8 @@ def digits():
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_every_loss_through_the_methods_chunks(loss, digits):
     """The SimCLR method's own chunk embedding and loss assembly, K = 4 against K = 1."""
-    config = TrainConfig(loss=loss, model="mlp", dtype="float64", dropout=0.1, temperature=0.3)
+    temperature = {"temperature": 0.3} if "temperature" in LOSSES[loss].options else {}
+    config = TrainConfig(loss=loss, model="mlp", dtype="float64", dropout=0.1, **temperature)
     torch.manual_seed(0)
     method = SimCLRMethod(config.resolved(), digits, world_size=1, say=print)
     batch = TwoViewBatch(*_batch(), [])
@@ -255,3 +256,9 @@ def test_every_loss_through_the_methods_chunks(loss, digits):
     error = _max_abs(gradients[CHUNKS], gradients[1])
     print(f"--loss {loss}: K={CHUNKS} vs one pass {error:.1e}")
     assert error <= EXACT
+
+
+def test_under_no_grad_it_says_so_in_one_line():
+    model = nn.Linear(4, 2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="called under torch.no_grad"):
+        cached_backward(model, [torch.randn(3, 4)], lambda z: z[0].sum())

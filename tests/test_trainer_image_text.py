@@ -21,6 +21,7 @@ from launch import (
     final_difference,
     launch,
     one_chunk,
+    one_line_errors,
     train_pooled,
 )
 
@@ -177,3 +178,10 @@ def _load_image_text(final: Path, weights: dict) -> torch.nn.Module:
     model = ImageTextModel(image, TextTower(encoder, "mean", 128))
     model.load_state_dict(weights)
     return model.eval()
+
+
+def test_a_text_pair_option_with_image_text_is_one_line_on_every_rank(data, tmp_path):
+    result = train_pooled(2, *COMMON, "--dataset", data["dataset"], "--text-model",
+                          data["model"], "--two-towers", "--output-dir", str(tmp_path),
+                          check=False)  # fmt: skip
+    one_line_errors(result, "--two-towers does not apply to image-text pairs", 2)

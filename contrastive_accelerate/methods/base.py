@@ -3,7 +3,7 @@ several methods share: the image tower, two views of an image, a queue, a teache
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,9 @@ class MethodRow:
     #: The options only it (and the other methods naming them) reads; set for another
     #: method, they are refused.
     options: tuple[str, ...] = ()
+    #: ``reads(config)``: those of ``options`` that this configuration reads (a loss reads
+    #: its own); set but not read, they are refused too. None: all of ``options``.
+    reads: Callable[[Any], Collection[str]] | None = None
     #: ``defaults(config) -> {option: value}`` for its options left at None.
     defaults: Callable[[Any], dict[str, Any]] = lambda config: {}
     #: ``check(config)``: its refusals of the options alone (``ConfigError``).
@@ -117,6 +120,10 @@ class MethodRow:
     #: ``check_data(config, data)``: its refusals that need the data (``TrainerError``),
     #: made before anything is built.
     check_data: Callable[[Any, Any], None] = lambda config, data: None
+
+    def read_by(self, config) -> Collection[str]:
+        """The options of ``options`` that ``config`` reads."""
+        return self.options if self.reads is None else self.reads(config)
 
 
 def image_data(config) -> ImageData:

@@ -211,7 +211,7 @@ DINO_OPTIONS = (
 DINO = MethodRow(
     DINOMethod,
     image_data,
-    options=(*TEACHER_OPTIONS, *DINO_OPTIONS),
+    options=(*TEACHER_OPTIONS, *DINO_OPTIONS, "temperature"),
     defaults=defaults,
     check=check,
 )

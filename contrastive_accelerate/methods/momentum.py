@@ -143,7 +143,7 @@ class MomentumMethod(TeacherMethod):
 MOCO = MethodRow(
     MomentumMethod,
     image_data,
-    options=(*TEACHER_OPTIONS, "queue_size", "queue_keys"),
+    options=(*TEACHER_OPTIONS, "queue_size", "queue_keys", "temperature"),
     defaults=lambda config: {"temperature": 0.2, "teacher_momentum": 0.99},  # MoCo v3's
 )
 BYOL = MethodRow(

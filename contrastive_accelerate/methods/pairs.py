@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from contrastive_accelerate.collectives import is_distributed
-from contrastive_accelerate.config import ConfigError, flag
+from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import DTYPES, INITIAL_LOGIT_SCALE, Method, MethodRow, Say
@@ -112,6 +112,17 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
+    template = config.zero_shot_template
+    if template is not None:
+        try:
+            one_place = template.format("") != template and template.count("{}") == 1
+        except (IndexError, KeyError, ValueError):
+            one_place = False
+        if not one_place:
+            raise ConfigError(
+                f"--zero-shot-template {template!r}: mark the class name's place with one {{}}"
+                ', e.g. "a photo of a {}"'
+            )
 
 
 def check_data(config, data: PairData) -> None:
@@ -136,8 +147,15 @@ def check_data(config, data: PairData) -> None:
                     "names no image"
                 )
         return
-    if (config.loss or IMAGE_TEXT_LOSSES[0]) not in IMAGE_TEXT_LOSSES:
+    loss = config.loss or IMAGE_TEXT_LOSSES[0]
+    if loss not in IMAGE_TEXT_LOSSES:
         raise TrainerError(f"--loss {config.loss}: image-text pairs train with infonce or siglip")
+    unread = (*TEXT_PAIR_OPTIONS, *(() if loss == "siglip" else ("logit_bias_init",)))
+    for name in unread:
+        if is_set(config, name):
+            raise TrainerError(
+                f"{flag(name)} does not apply to image-text pairs with --loss {loss}"
+            )
     if config.zero_shot_template and (data.label_column is None or data.evaluation is None):
         raise TrainerError(
             "--zero-shot-template needs labels and held-out images: a label column (or "
@@ -145,10 +163,29 @@ def check_data(config, data: PairData) -> None:
         )
 
 
+#: What image-text pairs never read (one tower per kind, InfoNCE or SigLIP): set, refused.
+TEXT_PAIR_OPTIONS = ("two_towers", "mnrl_scale", "mnrl_symmetric")
+#: The learnable scale of image-text pairs, and SigLIP's bias.
+SCALE_OPTIONS = ("logit_scale_init", "logit_bias_init")
+
+
+def reads(config) -> tuple[str, ...]:
+    """Without ``--loss`` the data decide between text and image-text (``check_data``
+    refuses what the data's kind does not read); with it, the loss does."""
+    everything = ("loss", *TEXT_OPTIONS, *SCALE_OPTIONS)
+    if config.loss in TEXT_PAIR_LOSSES:
+        return tuple(name for name in everything if name not in (*IMAGE_OPTIONS, *SCALE_OPTIONS))
+    if config.loss in IMAGE_TEXT_LOSSES:
+        unread = (*TEXT_PAIR_OPTIONS, *(() if config.loss == "siglip" else ("logit_bias_init",)))
+        return tuple(name for name in everything if name not in unread)
+    return everything
+
+
 PAIRS = MethodRow(
     build,
     pair_data,
-    options=("loss", *TEXT_OPTIONS),
+    options=("loss", *TEXT_OPTIONS, *SCALE_OPTIONS),
+    reads=reads,
     defaults=defaults,
     check=check,
     check_data=check_data,
@@ -164,7 +201,31 @@ def text_encoder(config, data: PairData, columns):
         texts = [text for column in columns for value in data.train[column]
                  for text in ([value] if isinstance(value, str) else value)]  # fmt: skip
         return scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
-    return load_text_encoder(config.text_model, DTYPES[config.dtype])
+    encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
+    check_text_model_limits(config, encoder, tokenizer)
+    return encoder, tokenizer
+
+
+def check_text_model_limits(config, encoder: nn.Module, tokenizer) -> None:
+    """Refuse what the model cannot embed, before a step would fail on it: token ids
+    beyond its vocabulary, and texts of ``--max-length`` tokens (one probe forward:
+    the positions a model takes are its own business, e.g. RoBERTa's offset)."""
+    vocabulary = getattr(encoder.config, "vocab_size", None)
+    if vocabulary is not None and len(tokenizer) > vocabulary:
+        raise TrainerError(
+            f"the tokenizer of --text-model {config.text_model!r} has {len(tokenizer)} tokens, "
+            f"more than the model's vocabulary of {vocabulary}"
+        )
+    probe = torch.full((1, config.max_length), tokenizer.pad_token_id, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            encoder(input_ids=probe, attention_mask=torch.ones_like(probe))
+    except (IndexError, RuntimeError, ValueError) as error:
+        limit = getattr(encoder.config, "max_position_embeddings", "fewer")
+        raise TrainerError(
+            f"--max-length {config.max_length}: --text-model {config.text_model!r} takes "
+            f"{limit} positions ({str(error).strip().splitlines()[0][:120]})"
+        ) from None
 
 
 def text_dropout(tower: nn.Module, tokenizer, config, world_size: int, say: Say) -> nn.Module:

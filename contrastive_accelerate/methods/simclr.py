@@ -230,7 +230,19 @@ class SimCLRMethod(Method):
 def defaults(config) -> dict[str, Any]:
     """NT-Xent unless ``--loss`` says otherwise, and that loss's own defaults."""
     loss = config.loss or "ntxent"
-    return {"loss": loss, **LOSSES[loss].defaults}
+    temperature = {"temperature": 0.5} if "temperature" in LOSSES[loss].options else {}
+    return {"loss": loss, **temperature, **LOSSES[loss].defaults}
+
+
+#: The options of the losses: each reads its own (``LossRow.options``).
+LOSS_OPTIONS = tuple(dict.fromkeys(name for row in LOSSES.values() for name in row.options))
+
+
+def reads(config) -> tuple[str, ...]:
+    """The queue's options, and those of the loss (its row's; with a loss that is not
+    the family's, all of them: ``check`` refuses it)."""
+    row = LOSSES.get(config.loss or "ntxent")
+    return ("loss", "queue_size", "queue_keys", *(row.options if row else LOSS_OPTIONS))
 
 
 def check(config) -> None:
@@ -251,7 +263,8 @@ def check_data(config, data: ImageData) -> None:
 SIMCLR = MethodRow(
     SimCLRMethod,
     image_data,
-    options=("loss", "queue_size", "queue_keys"),
+    options=("loss", "queue_size", "queue_keys", *LOSS_OPTIONS),
+    reads=reads,
     defaults=defaults,
     check=check,
     check_data=check_data,
