@@ -390,10 +390,13 @@ def make_sentence_pairs(path: Path, count: int, negatives: int = 1, seed: int = 
     return path
 
 
-def make_text_model(root: Path, *, dropout: float = 0.1, pad_token: bool = True) -> Path:
+def make_text_model(
+    root: Path, *, dropout: float = 0.1, pad_token: bool = True, vocab_size: int | None = None
+) -> Path:
     """A tiny BERT from a ``BertConfig`` (random weights) and a WordPiece tokenizer that
     ``tokenizers`` trains on ``WORDS``, saved together with ``save_pretrained``: what
-    ``--text-model`` loads, with nothing downloaded."""
+    ``--text-model`` loads, with nothing downloaded. ``vocab_size``: the model's, if not
+    the tokenizer's."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
@@ -414,7 +417,7 @@ def make_text_model(root: Path, *, dropout: float = 0.1, pad_token: bool = True)
         mask_token="[MASK]", **({"pad_token": "[PAD]"} if pad_token else {}),
     )  # fmt: skip
     config = BertConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
+        vocab_size=vocab_size or tokenizer.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
         num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )  # fmt: skip

@@ -11,6 +11,7 @@ truncates some texts (said once). Each negative control removes one mechanism.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from launch import (
     TrainerRuns,
     final_difference,
+    make_text_model,
     one_chunk,
     one_line_errors,
     train_pooled,
@@ -36,8 +38,11 @@ TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", 
 
 
 @pytest.fixture(scope="module")
-def data(sentence_pairs, tiny_bert, tiny_bert_without_pad) -> dict[str, str]:
-    return {"pairs": sentence_pairs, "model": tiny_bert, "no_pad": tiny_bert_without_pad}
+def data(sentence_pairs, tiny_bert, tiny_bert_without_pad, tmp_path_factory) -> dict[str, str]:
+    # A model whose 50-token vocabulary the tokenizer's ids outrun.
+    small = make_text_model(tmp_path_factory.mktemp("bert-small-vocabulary"), vocab_size=50)
+    return {"pairs": sentence_pairs, "model": tiny_bert, "no_pad": tiny_bert_without_pad,
+            "small_vocabulary": str(small)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -205,17 +210,23 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
         ("no-pad", "has no pad token"),
         (["--columns", "anchor,positive", "--image-column", "anchor"], "cannot be read"),
         (["--columns", COLUMNS, "--model", "mlp"], "--model does not apply to text pairs"),
+        (["--columns", COLUMNS, "--max-length", "80"], "--max-length 80: --text-model"),
+        ("small-vocabulary", "tokens, more than the model's vocabulary of 50"),
     ],
     ids=[
         "missing-column",
         "tokenizer-without-pad-token",
         "text-column-as-the-image-tower",
         "an-image-option",
+        "longer-than-the-positions",
+        "tokenizer-beyond-the-vocabulary",
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):
-    model = data["no_pad"] if flags == "no-pad" else data["model"]
-    columns = [] if flags == "no-pad" else flags
+    model = {"no-pad": data["no_pad"], "small-vocabulary": data["small_vocabulary"]}.get(
+        flags if isinstance(flags, str) else "", data["model"]
+    )
+    columns = [] if isinstance(flags, str) else flags
     result = train_pooled(2, *COMMON, "--dataset", data["pairs"], "--text-model", model,
                     *(columns or ["--columns", COLUMNS]), "--output-dir", str(tmp_path),
                     check=False)  # fmt: skip
@@ -238,3 +249,35 @@ def test_bad_columns_are_refused_before_anything_loads(tmp_path, columns, messag
     path.write_text('{"anchor": "a cat", "positive": "the cat", "label": 1}\n' * 3)
     with pytest.raises(DataError, match=message):
         load_pair_dataset(str(path), columns)
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [("null", "None"), ("[]", "[]")],
+    ids=["null", "empty-list"],
+)
+def test_a_cell_that_is_no_text_is_named_at_start_up(tmp_path, value, shown):
+    """A JSON null, an empty list of captions: one line at loading naming the column,
+    the row of the file and the value, before any hold-out renumbers the rows (a number
+    among texts makes the column's type mixed, refused as a column already)."""
+    from contrastive_accelerate.data import DataError
+    from contrastive_accelerate.data.pairs import load_pair_dataset
+
+    rows = ['{"anchor": "a cat", "positive": ["the cat", "one cat"]}'] * 5
+    rows[3] = f'{{"anchor": "a dog", "positive": {value}}}'
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    expected = f"column 'positive', row 3 of split 'train': {shown} is neither a text"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        load_pair_dataset(str(path), ("anchor", "positive"))
+
+
+def test_a_null_text_is_one_line_on_every_rank(data, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    lines = Path(data["pairs"]).read_text().splitlines()
+    lines[7] = json.dumps({**json.loads(lines[7]), "positive": None})
+    path.write_text("\n".join(lines) + "\n")
+    result = train_pooled(2, *COMMON, "--dataset", str(path), "--text-model", data["model"],
+                          "--columns", COLUMNS, "--output-dir", str(tmp_path / "run"),
+                          check=False)  # fmt: skip
+    one_line_errors(result, "column 'positive', row 7 of split 'train': None", 2)

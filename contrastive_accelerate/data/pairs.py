@@ -83,6 +83,8 @@ def load_pair_dataset(
     train = splits[split]
     kinds = {column: _kind(train, column, image_column, name) for column in columns}
     images = [column for column, kind in kinds.items() if kind == "image"]
+    texts = [column for column, kind in kinds.items() if kind == "text"]
+    check_texts(train, texts, split)  # before a hold-out renumbers the rows
     if not images:
         train = train.select_columns(list(columns))
         evaluation, held_out = None, "off"
@@ -92,6 +94,7 @@ def load_pair_dataset(
             )
         if evaluation is not None:
             evaluation = evaluation.select_columns(list(columns))
+            check_texts(evaluation, texts, "evaluation")
         source = f"retrieval evaluation (MRR@10, recall@k): {held_out}"
         return PairData(train, tuple(columns), evaluation=evaluation, evaluation_source=source)
     if len(images) > 1 or len(columns) != 2:
@@ -102,7 +105,23 @@ def load_pair_dataset(
     data = load_image_dataset(
         name, config_name=config_name, split=split, image_column=images[0], **evaluation_options
     )
+    if data.evaluation is not None:
+        check_texts(data.evaluation, texts, "evaluation")
     return _image_text(data, columns)
+
+
+def check_texts(dataset, columns: Sequence[str], split: str) -> None:
+    """A one-line ``DataError`` for the first cell of ``columns`` that is neither a text
+    nor a non-empty list of texts (a JSON null, an empty CSV cell, ``[]``), naming its
+    column, row (the dataset's own numbering) and value."""
+    for column in columns:
+        for row, value in enumerate(dataset[column]):
+            texts = [value] if isinstance(value, str) else value
+            if not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
+                raise DataError(
+                    f"column {column!r}, row {row} of split {split!r}: {value!r} is neither a "
+                    "text nor a non-empty list of texts"
+                )
 
 
 def _kind(train, column: str, image_column: str | None, name: str) -> str:
