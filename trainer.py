@@ -45,7 +45,7 @@ class TrainResult:
     model: torch.nn.Module  # unwrapped, trained, on the accelerator's device
     metrics: dict[str, float]
     step: int
-    final_model_dir: str | None  # None when preempted
+    final_model_dir: str | None  # None when preempted before the final save
     last_checkpoint: str | None  # the newest checkpoint this run wrote
     preempted: str | None  # the signal that stopped the run after a checkpoint, if any
 
@@ -159,72 +159,90 @@ def _train(
         dynamic_ncols=True,
     )
     started, started_step = time.perf_counter(), step
-    last_checkpoint, saved_step, preempted = None, step, None
-    # The bar ends its line before any error; the workers stop whatever ends the loop.
-    with progress, StopSignals() as signals, workers_stopped_on_exit(loader):
-        while step < total_steps and not preempted:
-            epoch, first_batch = divmod(step, steps_per_epoch)
-            sampler.set_epoch(epoch, first_batch)
-            for batch in loader:
-                stop, skipped = _stop_requested(signals, batch, config.skip_bad_images)
-                if stop:
+    last_checkpoint, saved_step, preempted, final = None, step, None, None
+    # Signals are honoured from the first step to the last write: a stop is agreed where
+    # the ranks meet (each step's start, the final save, each evaluation), and a
+    # checkpoint of that step is written before the exit.
+    with StopSignals() as signals:
+        # The bar ends its line before any error; the workers stop whatever ends the loop.
+        with progress, workers_stopped_on_exit(loader):
+            while step < total_steps and not preempted:
+                epoch, first_batch = divmod(step, steps_per_epoch)
+                sampler.set_epoch(epoch, first_batch)
+                for batch in loader:
+                    stop, skipped = _stop_requested(signals, batch, config.skip_bad_images)
+                    if stop:
+                        preempted = signals.requested or "a signal to another rank"
+                        if step != saved_step:
+                            last_checkpoint = save(step)
+                        break
+                    # Every rank's share, known from the sampler: the losses exchange nothing
+                    # (unless a rank skipped an image, or Accelerate shards: the control).
+                    known = not skipped and config.data_sharding != "accelerate"
+                    sizes = None
+                    if known:
+                        sizes = checks.known_sizes(sampler.share_sizes(step % steps_per_epoch))
+                    loss = cached_backward(
+                        model,
+                        batch.split(config.accumulation_chunks),
+                        partial(method.loss, batch=batch, sizes=sizes, step=step),
+                        forward=partial(method.embed, model, step=step),
+                        backward=accelerator.backward,
+                    )
+                    checks.record(step, loss)
+                    lr = learning_rate(step)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    method.before_optimizer_step(epoch)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    method.after_step(step)
+                    step += 1
+                    progress.update(1)
+
+                    if step % config.log_every == 0 or step == total_steps:
+                        checks.raise_if_any()
+                        trained = (step - started_step) * config.batch_size
+                        speed = trained / (time.perf_counter() - started)
+                        metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed)
+                    if config.save_every and step % config.save_every == 0:
+                        last_checkpoint, saved_step = save(step), step
+                    if knn is not None and config.eval_every and step % config.eval_every == 0:
+                        if step < total_steps:
+                            _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
+                    if step == total_steps:
+                        break
+
+        # Save, then evaluate: a failing evaluation never loses the trained model, and a
+        # signal during either leaves a checkpoint of the last step to finish from.
+        unwrapped = accelerator.unwrap_model(model)
+        if not preempted:
+            final = on_main_process(
+                run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
+            )
+            evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
+            if knn is not None:
+                evaluations[:0] = [
+                    lambda: {"knn_top1": _evaluate(accelerator, evaluated, knn, config.knn_k,
+                                                   run, step)},
+                    partial(_baselines_and_probe, accelerator, evaluated, knn, config, run, step),
+                ]  # fmt: skip
+            for evaluate in evaluations:
+                if any_rank(signals.requested is not None)[0]:
                     preempted = signals.requested or "a signal to another rank"
                     if step != saved_step:
                         last_checkpoint = save(step)
                     break
-                # Every rank's share, known from the sampler: the losses exchange nothing
-                # (unless a rank skipped an image, or Accelerate shards: the control).
-                known = not skipped and config.data_sharding != "accelerate"
-                sizes = None
-                if known:
-                    sizes = checks.known_sizes(sampler.share_sizes(step % steps_per_epoch))
-                loss = cached_backward(
-                    model,
-                    batch.split(config.accumulation_chunks),
-                    partial(method.loss, batch=batch, sizes=sizes, step=step),
-                    forward=partial(method.embed, model, step=step),
-                    backward=accelerator.backward,
-                )
-                checks.record(step, loss)
-                lr = learning_rate(step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                method.before_optimizer_step(epoch)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                method.after_step(step)
-                step += 1
-                progress.update(1)
+                metrics |= evaluate()
 
-                if step % config.log_every == 0 or step == total_steps:
-                    checks.raise_if_any()
-                    trained = (step - started_step) * config.batch_size
-                    speed = trained / (time.perf_counter() - started)
-                    metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed)
-                if config.save_every and step % config.save_every == 0:
-                    last_checkpoint, saved_step = save(step), step
-                if knn is not None and config.eval_every and step % config.eval_every == 0:
-                    if step < total_steps:
-                        _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
-                if step == total_steps:
-                    break
-
-    # Save
-    unwrapped = accelerator.unwrap_model(model)
     if preempted:
+        trained = f" ({final} holds the trained model, not yet evaluated)" if final else ""
         accelerator.print(
-            f"stopped by {preempted} at step {step}: checkpoint "
+            f"stopped by {preempted} at step {step}{trained}: checkpoint "
             f"{last_checkpoint or 'of this step already saved'}; continue with "
             "--resume-from latest"
         )
-        return TrainResult(unwrapped, metrics, step, None, last_checkpoint, preempted)
-    if knn is not None:
-        metrics["knn_top1"] = _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
-        metrics |= _baselines_and_probe(accelerator, evaluated, knn, config, run, step)
-    metrics |= _method_figures(accelerator, method, knn, run, step)
-    final = on_main_process(
-        run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
-    )
+        return TrainResult(unwrapped, metrics, step, final, last_checkpoint, preempted)
     if accelerator.is_main_process:
         print(_summary(metrics, config.knn_k, final, knn), flush=True)
     return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)

@@ -33,6 +33,7 @@ from contrastive_accelerate.preemption import EXIT_PREEMPTED
 
 from launch import (
     ENV,
+    LAUNCH_TIMEOUT_S,
     REPO,
     add_unusual_images,
     finish,
@@ -183,6 +184,31 @@ def test_exit_code_after_a_signal_and_a_second_signal_stops_at_once(tmp_path):
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == EXIT_PREEMPTED, stderr
     assert "again" not in stderr
+
+
+def test_a_signal_during_the_final_evaluation_keeps_the_model_and_the_run_finishes_later(tmp_path):
+    """The model is saved before the evaluation (which may fail, or be stopped): a SIGTERM
+    once final/ exists, while ResNet-18's kNN and linear probe run, exits with 75 and a
+    checkpoint of the last step; --resume-from latest then evaluates the same weights."""
+    output = tmp_path / "run"
+    resnet = ["--model", "resnet18", "--batch-size", "8", "--max-steps", "2", "--log-every", "1",
+              "--num-workers", "0", "--output-dir", str(output)]  # fmt: skip
+    job = _direct(*resnet)
+    wait_until(lambda: (output / "final" / "model.safetensors").exists(), interval=0.01)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert job.returncode == EXIT_PREEMPTED, stderr[-2000:]
+    assert "holds the trained model, not yet evaluated): checkpoint" in stdout, stdout
+    assert load_checkpoint(latest_checkpoint(str(output))).step == 2
+    trained = max_abs_diff(str(output / "final"), latest_checkpoint(str(output)))
+    assert trained == 0.0  # final/ holds the last step's weights
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert not any("linear_probe_top1" in record for record in records)
+
+    shutil.copytree(output / "final", tmp_path / "final-before")
+    resumed = train_pooled(1, *resnet, "--resume-from", "latest")
+    assert "linear probe top-1" in resumed.stdout, resumed.stdout
+    assert max_abs_diff(str(tmp_path / "final-before"), str(output / "final")) == 0.0
 
 
 def test_second_signal_after_the_repeat_window_exits_at_once():
@@ -351,11 +377,11 @@ def test_bad_values_give_one_line_on_every_rank(tmp_path, base_run):
         "is a file, not a directory": train_pooled(
             2, *MLP, "--output-dir", str(base_run / "metrics.jsonl"), check=False
         ),
-        "nothing to train: the checkpoint is at step 2 and the run ends at step 2": train_pooled(
+        "nothing to train: the checkpoint is at step 2 and the run ends at step 1": train_pooled(
             2,
             *MLP,
             "--max-steps",
-            "2",
+            "1",
             "--output-dir",
             str(tmp_path / "b"),
             "--resume-from",
