@@ -53,6 +53,11 @@ def cached_backward(
                                forward=lambda c: model(torch.cat(c)), backward=accelerator.backward)
         optimizer.step(); optimizer.zero_grad()
     """
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "cached_backward computes gradients: it was called under torch.no_grad() or "
+            "torch.inference_mode(); call it where gradients are enabled"
+        )
     forward = forward or model
     if len(chunks) == 1:
         loss = loss_fn([forward(chunks[0])])

@@ -32,19 +32,18 @@ and anything the check does not feed (a model's BatchNorm when you check a loss 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from contrastive_accelerate.ckpt_diff import WEIGHTS_SUFFIXES
 from contrastive_accelerate.compat import TorchDispatchMode
+from contrastive_accelerate.invariance_check import (
+    assert_training_invariant,
+    final_checkpoint,
+    launch_command,
+)
 from contrastive_accelerate.workers import (
     COLLECTIVE_TIMEOUT_S,
     MAX_POOLED_WORKERS,
@@ -340,52 +339,6 @@ def _numeric_diagnosis(report: InvarianceReport, bad: list[SplitFigures]) -> str
     return None
 
 
-def assert_training_invariant(
-    command: Sequence[str],
-    world_sizes: Sequence[int] = (1, 2),
-    output_arg: str = "--output-dir",
-    atol: float = 1e-6,
-    timeout_s: float = 900,
-) -> dict[int, float]:
-    """Assert that ``accelerate launch COMMAND`` trains the same model on every world size.
-
-    ``command`` is the script and its arguments; each launch gets ``output_arg DIR`` of
-    its own, on CPU processes. The final checkpoint of each is ``DIR/final`` if there is
-    one, else the newest weights file under ``DIR`` (safetensors, or a state dict read
-    with ``torch.load(weights_only=True)``, which runs no code). Returns the max absolute
-    difference of each world size against the first; raises ``AssertionError`` naming
-    the worst tensor, or ``ValueError`` when a run fails or writes no checkpoint.
-    """
-    from contrastive_accelerate.ckpt_diff import compare
-
-    with tempfile.TemporaryDirectory() as root:
-        checkpoints = {}
-        for world_size in world_sizes:
-            output = Path(root, f"processes-{world_size}")
-            result = subprocess.run(
-                [*launch_command(world_size), *command, output_arg, str(output)],
-                capture_output=True, text=True, timeout=timeout_s, env=_launch_env(),
-            )  # fmt: skip
-            if result.returncode != 0:
-                tail = " ".join(result.stderr.strip().splitlines()[-3:])[-400:]
-                raise ValueError(f"{world_size} process(es): exited {result.returncode}: {tail}")
-            checkpoints[world_size] = final_checkpoint(output)
-        figures, first = {}, world_sizes[0]
-        for world_size in world_sizes[1:]:
-            diffs = compare(checkpoints[first], checkpoints[world_size])
-            problems = [f"{diff.name}: {diff.problem}" for diff in diffs if diff.problem]
-            if problems:
-                raise AssertionError(f"{first} vs {world_size} processes: {'; '.join(problems)}")
-            worst = max(diffs, key=lambda diff: diff.max_abs, default=None)
-            figures[world_size] = worst.max_abs if worst else 0.0
-            if worst and not worst.max_abs <= atol:
-                raise AssertionError(
-                    f"{first} vs {world_size} processes: tensor {worst.name!r} differs by "
-                    f"{worst.max_abs:.3e} (atol {atol:g})"
-                )
-        return figures
-
-
 class HostSyncs:
     """Counts, inside a ``with`` block, the operations that make the host wait for the
     device on CUDA, also when everything runs on the CPU (where none of them waits)::
@@ -463,33 +416,6 @@ def _has_boolean_index(args) -> bool:
     return any(
         isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in indices or ()
     )
-
-
-def launch_command(world_size: int) -> list[str]:
-    """``accelerate launch`` on ``world_size`` CPU processes (gloo), without a config file."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-    if world_size == 1:
-        return [*command, "--num_processes", "1"]
-    # --multi_gpu selects torchrun; without a GPU the processes join over gloo.
-    return [*command, "--multi_gpu", "--num_processes", str(world_size), "--main_process_port", "0"]
-
-
-def _launch_env() -> dict[str, str]:
-    return {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **os.environ}
-
-
-def final_checkpoint(output: Path) -> str:
-    """``output/final`` if it holds weights, else the newest weights file under ``output``."""
-    final = output / "final"
-    if any((final / f"model{suffix}").exists() for suffix in WEIGHTS_SUFFIXES):
-        return str(final)
-    found = [path for path in output.rglob("*") if path.suffix in WEIGHTS_SUFFIXES]
-    if not found:
-        raise ValueError(
-            f"the run wrote no checkpoint under {output} ({', '.join(WEIGHTS_SUFFIXES)})"
-        )
-    return str(max(found, key=lambda path: (path.stat().st_mtime, path.suffix == ".safetensors")))
 
 
 __all__ = [

@@ -95,6 +95,16 @@ def _run(
 
 
 _FAILURE_GRACE_S = 5.0
+#: How often a call that waits for its ranks looks for a worker that died starting.
+_POLL_S = 0.5
+
+
+class WorkerStartError(ChildProcessError):
+    """A worker process exited before it could serve: spawned workers import the caller's
+    ``__main__`` again, which a script read from standard input (``python - <<EOF``) or an
+    interactive session cannot give them."""
+
+
 _TRANSPORT = re.compile(r"gloo|Connection (reset|closed)|pair\.cc|Timed out", re.I)
 
 
@@ -113,6 +123,7 @@ class _Workers:
         self.stale_group = False
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
+        self.started: set[int] = set()  # the ranks whose worker said it serves
         self.processes = [
             context.Process(target=_serve, args=(rank, world_size, self.tasks[rank], self.results))
             for rank in range(world_size)
@@ -139,8 +150,12 @@ class _Workers:
         deadline = time.monotonic() + timeout_s
         while len(by_rank) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+                wait = min(_POLL_S, max(0.1, deadline - time.monotonic()))
+                rank, ok, value = self.results.get(timeout=wait)
             except queue.Empty:
+                self._raise_if_one_never_started()
+                if time.monotonic() < deadline:
+                    continue
                 if failures:
                     break  # the others wait in a collective for the rank that failed
                 missing = sorted(set(range(self.world_size)) - set(by_rank))
@@ -151,7 +166,9 @@ class _Workers:
                 raise TimeoutError(
                     f"no result from ranks {missing} in {timeout_s:g} s{returned}"
                 ) from None
-            if ok:
+            if ok is None:  # a worker's first word: it serves
+                self.started.add(rank)
+            elif ok:
                 by_rank[rank] = value
             else:
                 failures[rank] = value
@@ -165,6 +182,16 @@ class _Workers:
             raise RuntimeError(f"rank {rank} failed:\n{failures[rank]}")
         self.reusable = True
         return [by_rank[rank] for rank in range(self.world_size)]
+
+    def _raise_if_one_never_started(self) -> None:
+        for rank, process in enumerate(self.processes):
+            if rank not in self.started and process.exitcode is not None:
+                raise WorkerStartError(
+                    f"the worker process of rank {rank} exited (code {process.exitcode}) "
+                    "before it could serve: its error is on standard error above. Spawned "
+                    "workers import the caller's __main__ again: run the check from a file "
+                    "(a test module or a script), not from standard input or a notebook cell"
+                )
 
     def alive(self) -> bool:
         return all(process.is_alive() for process in self.processes)
@@ -189,6 +216,7 @@ def _serve(rank: int, world_size: int, tasks, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     own = None  # the gloo group this worker made for run_on_ranks' calls
+    results.put((rank, None, "started"))
     try:
         while (task := _next_task(tasks, parent)) is not None:
             fn, args, rendezvous, stale = task
@@ -279,6 +307,7 @@ __all__ = [
     "COLLECTIVE_TIMEOUT_S",
     "JOIN_TIMEOUT_S",
     "MAX_POOLED_WORKERS",
+    "WorkerStartError",
     "free_port",
     "run_in_group",
     "run_in_workers",

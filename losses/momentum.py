@@ -70,7 +70,7 @@ class MoCoLoss(nn.Module):
             name, queries, keys, gather_distributed=self.gather_distributed, sizes=sizes
         )
         has_queue = queue is not None and len(queue) > 0
-        if self.batch_negatives or not has_queue:
+        if self.batch_negatives and not has_queue:  # the batch is the only source of negatives
             require_global_batch(name, sizes, 2, "so that every sample has a negative")
         with autocast_off(queries.device):
             dtype = compute_dtype(queries, keys)

@@ -14,13 +14,14 @@ import textwrap
 import time
 from functools import partial
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from contrastive_accelerate import collectives
+from contrastive_accelerate import collectives, invariance_check
 from contrastive_accelerate.testing import assert_loss_invariant, default_splits
 from losses import (
     BarlowTwinsLoss,
@@ -33,7 +34,7 @@ from losses import (
     VICRegLoss,
 )
 
-from launch import ENV, REPO
+from launch import ENV, REPO, wait_until
 from loss_cases import Patched, local_slice_gather, no_grad_all_reduce, no_grad_gather
 
 ROWS, FEATURES = 12, 6
@@ -242,7 +243,7 @@ SCRIPT = """
 import os, sys
 import torch
 from accelerate import Accelerator
-from contrastive_accelerate import collectives
+from contrastive_accelerate import collectives, invariance_check
 from contrastive_accelerate.testing import run_on_ranks
 {gather}
 output = sys.argv[sys.argv.index("--output-dir") + 1]
@@ -300,3 +301,86 @@ def test_invariance_check_without_a_checkpoint_is_exit_2_with_one_line(tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "wrote no checkpoint" in errors[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--atol", "-1"], "expected a finite number >= 0, got '-1'"),
+        (["--atol", "nan"], "expected a finite number >= 0, got 'nan'"),
+        (["--processes", "1,1"], "two or more different counts like 1,2, got '1,1'"),
+        (["--timeout", "-1"], "expected a finite number of seconds > 0, got '-1'"),
+    ],
+    ids=["negative-atol", "nan-atol", "equal-counts", "negative-timeout"],
+)
+def test_invariance_check_refuses_bad_options_in_one_line(capfd, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        invariance_check.main([*argv, "--", "train.py"])
+    assert exit_info.value.code == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+HANGS = """
+import os, sys, time
+open(sys.argv[1], "a").write(f"{os.getpid()}\\n")
+time.sleep(600)
+"""
+FAILS_ON_RANK_1 = """
+import os, sys
+import torch
+if int(os.environ.get("RANK", "0")) == 1:
+    raise ValueError("planted failure on rank 1")
+output = sys.argv[sys.argv.index("--output-dir") + 1]
+os.makedirs(output, exist_ok=True)
+torch.save({"w": torch.zeros(1)}, os.path.join(output, "model.pt"))
+"""
+
+
+def test_invariance_check_on_a_hanging_script_is_exit_2_and_leaves_no_process(tmp_path):
+    script, pids = tmp_path / "hangs.py", tmp_path / "pids"
+    script.write_text(HANGS)
+    command = [sys.executable, "-m", "contrastive_accelerate.invariance_check",
+               "--processes", "2,1", "--timeout", "20", "--", str(script), str(pids)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(errors) == 1 and "did not finish within 20 s" in errors[0], result.stderr
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 2  # both ranks ran, and both are gone
+    wait_until(lambda: not any(psutil.pid_exists(pid) for pid in started), timeout=30)
+
+
+def test_invariance_check_shows_a_ranks_own_error(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(FAILS_ON_RANK_1)
+    command = [sys.executable, "-m", "contrastive_accelerate.invariance_check",
+               "--processes", "1,2", "--", str(script)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(errors) == 1, result.stderr
+    assert "2 process(es): exited 1: ValueError: planted failure on rank 1" in errors[0], errors
+
+
+STDIN_CHECK = """
+import torch
+from contrastive_accelerate.testing import assert_loss_invariant
+from losses import NTXentLoss
+
+def make_inputs():
+    return torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+
+assert_loss_invariant(NTXentLoss, make_inputs, world_sizes=(2,))
+"""
+
+
+def test_the_kit_from_standard_input_says_its_workers_cannot_start():
+    """Spawned workers import the caller's __main__ again, which a script read from
+    standard input does not have: the check says so at once, not after its timeouts."""
+    result = subprocess.run([sys.executable, "-"], input=STDIN_CHECK, capture_output=True,
+                            text=True, env=ENV, cwd=REPO, timeout=120)  # fmt: skip
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "WorkerStartError: the worker process of rank" in last, result.stderr[-2000:]
+    assert "before it could serve" in last

@@ -174,6 +174,22 @@ def test_moco_loss_without_batch_negatives_is_lightlys_memory_bank_ntxent():
     assert difference < 1e-12
 
 
+def test_one_sample_needs_no_second_without_batch_negatives():
+    """A global batch of 1: without batch negatives, the queue's M keys are its negatives
+    (lightly's memory-bank NT-Xent, as above) and an empty queue gives 0; with batch
+    negatives and no queue it has none, and is refused."""
+    queries, keys = (x[:1] for x in _pairs())
+    bank = _bank(16)
+    theirs = NTXentLoss(0.2, memory_bank_size=(16, 8))
+    theirs.memory_bank.bank = bank.clone()
+    ours = MoCoLoss(0.2, batch_negatives=False)(queries, keys, bank)
+    assert ours.item() == pytest.approx(theirs(queries, keys).item(), abs=1e-12)
+    assert MoCoLoss(0.2, batch_negatives=False)(queries, keys, bank[:0]).item() == 0.0
+    assert MoCoLoss(0.2)(queries, keys, bank).item() == pytest.approx(ours.item(), abs=1e-12)
+    with pytest.raises(ValueError, match="at least 2 are needed so that every sample"):
+        MoCoLoss(0.2)(queries, keys)
+
+
 def test_negative_cosine_is_lightlys():
     x0, x1 = (x.requires_grad_() for x in _pairs())
     y0, y1 = (x.detach().clone().requires_grad_() for x in (x0, x1))
