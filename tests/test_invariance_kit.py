@@ -354,8 +354,9 @@ def test_invariance_check_on_a_hanging_script_is_exit_2_and_leaves_no_process(tm
 def test_invariance_check_shows_a_ranks_own_error(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(FAILS_ON_RANK_1)
+    # 2 processes first: the failing launch is the only one.
     command = [sys.executable, "-m", "contrastive_accelerate.invariance_check",
-               "--processes", "1,2", "--", str(script)]  # fmt: skip
+               "--processes", "2,1", "--", str(script)]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2, result.stderr[-2000:]
