@@ -121,3 +121,20 @@ def test_no_source_file_is_over_about_500_lines():
     sizes = {str(path.relative_to(REPO)): len(path.read_text().splitlines()) for path in files}
     print(f"largest: {max(sizes.items(), key=lambda item: item[1])}")
     assert {name: lines for name, lines in sizes.items() if lines > MAX_LINES} == {}
+
+
+def test_the_wheel_ships_every_package_of_the_project():
+    """Every folder with an ``__init__.py`` under the project's top-level packages is in
+    what setuptools ships (a listed package ships without its subpackages)."""
+    import tomllib
+    from setuptools import find_packages
+
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = set(find_packages(str(REPO), **settings["packages"]["find"]))
+    on_disk = {
+        ".".join(init.parent.relative_to(REPO).parts)
+        for top in ("losses", "models", "contrastive_accelerate")
+        for init in (REPO / top).rglob("__init__.py")
+    }
+    assert {"contrastive_accelerate.data", "contrastive_accelerate.methods"} <= on_disk
+    assert on_disk <= shipped, sorted(on_disk - shipped)
