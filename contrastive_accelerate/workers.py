@@ -297,7 +297,9 @@ def _discard_workers(world_size: int) -> None:
 
 
 @atexit.register
-def _close_workers() -> None:
+def close_workers() -> None:
+    """End every pooled worker of this process (at exit, or when a caller must know they
+    are gone)."""
     for workers in _WORKERS.values():
         workers.close()
     _WORKERS.clear()
@@ -308,6 +310,7 @@ __all__ = [
     "JOIN_TIMEOUT_S",
     "MAX_POOLED_WORKERS",
     "WorkerStartError",
+    "close_workers",
     "free_port",
     "run_in_group",
     "run_in_workers",

@@ -7,10 +7,17 @@ string, as a command line takes it. Tests must not modify them: copy first.
 from __future__ import annotations
 
 import os
+import time
 
+import psutil
 import pytest
 
-from launch import (
+# Every process the session starts inherits this mark (launch.ENV is built from the
+# environment at import): what is still alive with it at the end was left behind.
+SESSION_MARK = "CONTRASTIVE_ACCELERATE_TEST_SESSION"
+os.environ.setdefault(SESSION_MARK, str(os.getpid()))
+
+from launch import (  # noqa: E402
     TEST_ENVIRONMENT,
     WORDS,
     make_image_folder,
@@ -42,6 +49,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: each module keeps its own order
+
+
+def processes_left_behind() -> list[str]:
+    """This session's processes that are still alive, but for this one."""
+    mark, left = os.environ[SESSION_MARK], []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if process.pid != os.getpid() and process.environ().get(SESSION_MARK) == mark:
+                left.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])[:200]}")
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return left
+
+
+#: A pool's workers exit within 5 s of their pytest process; xdist's take a moment too.
+LEFT_BEHIND_GRACE_S = 20.0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No test may leave processes behind: the session fails if one outlives it."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: its controller checks
+        return
+    from contrastive_accelerate.workers import close_workers
+
+    close_workers()  # this process's own pool (a run without xdist)
+    deadline = time.monotonic() + LEFT_BEHIND_GRACE_S
+    while (left := processes_left_behind()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        print("\nprocesses left behind by the tests:\n" + "\n".join(left), flush=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config: pytest.Config) -> None:
