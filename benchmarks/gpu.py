@@ -126,6 +126,20 @@ def _trainer_here(
         return batch_size / step_seconds(Path(output_dir), batch_size, min(WARMUP, steps // 2))
 
 
+def _trainer_kinds_here(
+    device: str, precision: str, kinds: list[str], steps: int, batch_size: int, model: str
+) -> dict[str, float]:
+    """``_trainer_here`` for each of ``kinds`` in this process, Accelerate's process state
+    reset between them (the smoke test's shortcut: its rates are not measurements)."""
+    from contrastive_accelerate.compat import reset_accelerate_state
+
+    rates = {}
+    for kind in kinds:
+        rates[kind] = _trainer_here(device, precision, kind, steps, batch_size, model)
+        reset_accelerate_state()
+    return rates
+
+
 def trainer_table(
     device: str,
     steps: int,
@@ -145,12 +159,24 @@ def trainer_table(
         if not (smoke and precision == "bf16"):
             samples_per_s[f"trainer_{compiler}"] = []
         for _ in range(repeats):
-            for kind in samples_per_s:
-                # A fresh process each: AcceleratorState is one per process.
-                value = in_fresh_process(
-                    "benchmarks.gpu", "_trainer_here", device, precision, kind, steps,
-                    batch_size, model,
+            # A fresh process each: AcceleratorState is one per process. The smoke test
+            # runs every kind of one precision in one process, resetting that state.
+            if smoke:
+                values = in_fresh_process(
+                    "benchmarks.gpu", "_trainer_kinds_here", device, precision,
+                    list(samples_per_s), steps, batch_size, model,
                 )  # fmt: skip
+            else:
+                values = {
+                    kind: in_fresh_process(
+                        "benchmarks.gpu", "_trainer_here", device, precision, kind, steps,
+                        batch_size, model,
+                    )
+                    for kind in samples_per_s
+                }  # fmt: skip
+            if "error" in values:
+                raise RuntimeError(f"{precision}: {values['error']}")
+            for kind, value in values.items():
                 if isinstance(value, dict):
                     raise RuntimeError(f"{kind} ({precision}): {value['error']}")
                 samples_per_s[kind].append(value)

@@ -16,7 +16,7 @@ import torch
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 from contrastive_accelerate.testing import final_checkpoint, run_on_ranks
 
-from launch import launch
+from launch import launch, train_pooled
 from loss_cases import CASES, call, global_batch
 
 SIZES = [5, 3]
@@ -95,10 +95,12 @@ def test_negative_control_a_changed_size_is_counted():
 
 def test_two_processes_under_inductor_train_the_eager_model(tmp_path):
     common = ["--model", "mlp", "--batch-size", "8", "--max-steps", "3", "--knn-k", "0"]
-    runs = {}
-    for name, flags in (("eager", []), ("inductor", ["--dynamo_backend", "inductor"])):
-        runs[name] = tmp_path / name
-        launch(2, *common, "--output-dir", str(runs[name]), launcher_flags=flags, timeout=600)
+    runs = {"eager": tmp_path / "eager", "inductor": tmp_path / "inductor"}
+    # The eager twin in the pool (which trains what a launch trains: tests/test_pool.py);
+    # the launcher's --dynamo_backend is what this test is about.
+    train_pooled(2, *common, "--output-dir", str(runs["eager"]))
+    launch(2, *common, "--output-dir", str(runs["inductor"]),
+           launcher_flags=["--dynamo_backend", "inductor"], timeout=600)  # fmt: skip
     worst = max_abs_diff(final_checkpoint(runs["eager"]), final_checkpoint(runs["inductor"]))
     print(f"inductor vs eager, 2 processes, 3 steps, float32: max weight difference {worst:.3e}")
     assert worst <= 1e-5

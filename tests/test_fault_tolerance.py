@@ -188,12 +188,13 @@ def test_exit_code_after_a_signal_and_a_second_signal_stops_at_once(tmp_path):
 
 def test_a_signal_during_the_final_evaluation_keeps_the_model_and_the_run_finishes_later(tmp_path):
     """The model is saved before the evaluation (which may fail, or be stopped): a SIGTERM
-    once final/ exists, while ResNet-18's kNN and linear probe run, exits with 75 and a
-    checkpoint of the last step; --resume-from latest then evaluates the same weights."""
+    once final/ exists, while the kNN and linear probes run on the 1,797 digits (seconds),
+    exits with 75 and a checkpoint of the last step; --resume-from latest then evaluates
+    the same weights."""
     output = tmp_path / "run"
-    resnet = ["--model", "resnet18", "--batch-size", "8", "--max-steps", "2", "--log-every", "1",
-              "--num-workers", "0", "--output-dir", str(output)]  # fmt: skip
-    job = _direct(*resnet)
+    run = ["--model", "mlp", "--batch-size", "8", "--max-steps", "2", "--log-every", "1",
+           "--num-workers", "0", "--output-dir", str(output)]  # fmt: skip
+    job = _direct(*run)
     wait_until(lambda: (output / "final" / "model.safetensors").exists(), interval=0.01)
     job.send_signal(signal.SIGTERM)
     stdout, stderr = job.communicate(timeout=LAUNCH_TIMEOUT_S)
@@ -206,7 +207,7 @@ def test_a_signal_during_the_final_evaluation_keeps_the_model_and_the_run_finish
     assert not any("linear_probe_top1" in record for record in records)
 
     shutil.copytree(output / "final", tmp_path / "final-before")
-    resumed = train_pooled(1, *resnet, "--resume-from", "latest")
+    resumed = train_pooled(1, *run, "--resume-from", "latest")
     assert "linear probe top-1" in resumed.stdout, resumed.stdout
     assert max_abs_diff(str(tmp_path / "final-before"), str(output / "final")) == 0.0
 
