@@ -334,3 +334,25 @@ def test_unique_texts_keeps_texts_apart_and_every_rank_agrees(epoch):
         for step, batch in enumerate(batches):
             joined = [index for share in shares for _, index in share[step]]
             assert joined == batch.tolist()
+
+
+def test_a_hub_name_that_cannot_be_fetched_is_refused_at_once(tmp_path, monkeypatch):
+    """Without a network, loading a hub name retries for about a minute: a name that is
+    neither local nor cached is refused at once when HF_HUB_OFFLINE is set or the hub's
+    host does not answer; the controls, a local folder and a cached name, pass."""
+    import huggingface_hub.constants
+
+    from contrastive_accelerate.data.sources import load_splits
+    from contrastive_accelerate.hub import unreachable_reason
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="'someone/pairs': it is not a local path nor in the"):
+        load_splits("someone/pairs", None)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # a name that never resolves
+    reason = unreachable_reason("someone/model", "models")
+    assert reason and "the hub (https://hub.invalid) cannot be reached" in reason
+    assert unreachable_reason(str(tmp_path), "models") is None
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    (tmp_path / "models--someone--model").mkdir()
+    assert unreachable_reason("someone/model", "models") is None

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from contrastive_accelerate.hub import unreachable_reason
+
 IMAGE_COLUMNS = ("image", "img", "pixel_values")
 LABEL_COLUMNS = ("label", "labels", "fine_label")
 EVAL_SPLITS = ("test", "validation", "valid", "val")
@@ -136,9 +138,12 @@ def load_splits(name: str | None, config_name: str | None):
 
     if name is None:
         return {"train": _digits_dataset()}
-    looks_like_path = os.sep in name or name.startswith(".") or os.path.exists(name)
+    # A hub name is "name" or "owner/name"; more than that, or ./, / or ~, is a path.
+    looks_like_path = name.count("/") > 1 or name.startswith((".", os.sep, "~"))
     if looks_like_path and not os.path.exists(name):
         raise DataError(f"dataset path {name!r} does not exist")
+    if not os.path.exists(name) and (reason := unreachable_reason(name, "datasets")):
+        raise DataError(f"cannot load dataset {name!r}: {reason}")
     suffix = os.path.splitext(name)[1].lower()
     try:
         if os.path.isdir(name) and (

@@ -14,6 +14,7 @@ from torch import nn
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
+from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import DTYPES, INITIAL_LOGIT_SCALE, Method, MethodRow, Say
 from models import convert_sample_dropout
@@ -201,6 +202,8 @@ def text_encoder(config, data: PairData, columns):
         texts = [text for column in columns for value in data.train[column]
                  for text in ([value] if isinstance(value, str) else value)]  # fmt: skip
         return scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
+    if reason := unreachable_reason(config.text_model, "models"):
+        raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
     encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
     check_text_model_limits(config, encoder, tokenizer)
     return encoder, tokenizer
