@@ -80,8 +80,8 @@ def test_no_test_reaches_into_a_private_name(path):
 
 def test_control_a_private_import_and_attribute_are_caught(tmp_path):
     planted = tmp_path / "test_planted.py"
-    planted.write_text("from trainer import _train\nx = state._shared\ny = x.__name__\n")
-    assert private_names(planted) == ["_train", "state._shared"]
+    planted.write_text("from somewhere import _hidden\nx = state._shared\ny = x.__name__\n")
+    assert private_names(planted) == ["_hidden", "state._shared"]
 
 
 def project_imports(path: Path) -> set[str]:

@@ -126,18 +126,32 @@ class MethodRow:
         return self.options if self.reads is None else self.reads(config)
 
 
+def dataset_options(config) -> dict[str, Any]:
+    """What every loader of ``--dataset`` takes from the options: the source, its
+    columns and the evaluation split (none without kNN)."""
+    return {
+        "config_name": config.dataset_config,
+        "split": config.split,
+        "image_column": config.image_column,
+        "label_column": config.label_column,
+        "eval_split": config.eval_split,
+        "eval_holdout": config.eval_holdout,
+        "evaluate": config.knn_k > 0,
+    }
+
+
+def augmentation_options(config) -> dict[str, Any]:
+    """What every augmented dataset takes from the options besides size, seed and on/off."""
+    return {
+        "per_sample_seed": config.augmentation_seeding == "per-sample",
+        "crop_min_scale": config.crop_min_scale,
+        "horizontal_flip": config.horizontal_flip,
+    }
+
+
 def image_data(config) -> ImageData:
     """The images of ``--dataset`` (``load_image_dataset``), with the evaluation split."""
-    return load_image_dataset(
-        config.dataset,
-        config_name=config.dataset_config,
-        split=config.split,
-        image_column=config.image_column,
-        label_column=config.label_column,
-        eval_split=config.eval_split,
-        eval_holdout=config.eval_holdout,
-        evaluate=config.knn_k > 0,
-    )
+    return load_image_dataset(config.dataset, **dataset_options(config))
 
 
 SIMCLR_HEAD = (2, 512, 128)
@@ -189,9 +203,7 @@ def two_views_dataset(config, data: ImageData) -> TwoViews:
         config.image_size,
         config.seed,
         config.augment,
-        per_sample_seed=config.augmentation_seeding == "per-sample",
-        crop_min_scale=config.crop_min_scale,
-        horizontal_flip=config.horizontal_flip,
+        **augmentation_options(config),
     )
 
 

@@ -17,6 +17,7 @@ from contrastive_accelerate.methods.base import (
     SIMCLR_HEAD,
     MethodRow,
     Say,
+    augmentation_options,
     image_data,
     image_model,
     load_teacher,
@@ -70,9 +71,7 @@ class DINOMethod(TeacherMethod):
             config.global_crops,
             config.local_crops,
             config.local_crop_size,
-            per_sample_seed=config.augmentation_seeding == "per-sample",
-            crop_min_scale=config.crop_min_scale,
-            horizontal_flip=config.horizontal_flip,
+            **augmentation_options(config),
         )
         self.model = image_model(
             config, world_size, say, SIMCLR_HEAD, dino_out_dim=config.dino_out_dim

@@ -12,7 +12,14 @@ from torch import nn
 from contrastive_accelerate.data import evaluation_images
 from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, PairData
 from contrastive_accelerate.knn import KnnData, zero_shot_top1
-from contrastive_accelerate.methods.base import DTYPES, SIMCLR_HEAD, Say, image_model, view_halves
+from contrastive_accelerate.methods.base import (
+    DTYPES,
+    SIMCLR_HEAD,
+    Say,
+    augmentation_options,
+    image_model,
+    view_halves,
+)
 from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     embed_texts,
@@ -83,9 +90,7 @@ class ImageTextMethod(PairsMethod):
             config.image_size,
             config.seed,
             config.augment,
-            per_sample_seed=config.augmentation_seeding == "per-sample",
-            crop_min_scale=config.crop_min_scale,
-            horizontal_flip=config.horizontal_flip,
+            **augmentation_options(config),
         )
         self.criterion = (
             SigLIPLoss(tile_columns=config.loss_tile_rows, **shared(config))

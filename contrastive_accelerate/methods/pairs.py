@@ -16,7 +16,14 @@ from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.launch import TrainerError
-from contrastive_accelerate.methods.base import DTYPES, INITIAL_LOGIT_SCALE, Method, MethodRow, Say
+from contrastive_accelerate.methods.base import (
+    DTYPES,
+    INITIAL_LOGIT_SCALE,
+    Method,
+    MethodRow,
+    Say,
+    dataset_options,
+)
 from models import convert_sample_dropout
 
 #: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
@@ -72,17 +79,7 @@ class PairsMethod(Method):
 def pair_data(config) -> PairData:
     """The columns of ``--dataset`` named by ``--columns``: text, or an image and text."""
     columns = tuple(column.strip() for column in config.columns.split(","))
-    return load_pair_dataset(
-        config.dataset,
-        columns,
-        config_name=config.dataset_config,
-        split=config.split,
-        image_column=config.image_column,
-        label_column=config.label_column,
-        eval_split=config.eval_split,
-        eval_holdout=config.eval_holdout,
-        evaluate=config.knn_k > 0,
-    )
+    return load_pair_dataset(config.dataset, columns, **dataset_options(config))
 
 
 def build(config, data: PairData, world_size: int, say: Say, **kwargs) -> PairsMethod:
