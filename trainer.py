@@ -119,7 +119,9 @@ def _train(
     learning_rate = warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model, optimizer and method state; the step gives the data position and the lr.
-    state = RunState(dataclasses.asdict(config), len(data.train), accelerator.num_processes)
+    state = RunState(
+        dataclasses.asdict(config), len(data.train), accelerator.num_processes, method.inputs
+    )
     step = _resume(accelerator, model, optimizer, method, resume_path, state) if resume_path else 0
     check_steps(step, total_steps)
     if accelerator.is_main_process:

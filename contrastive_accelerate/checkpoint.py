@@ -6,8 +6,9 @@ A checkpoint ``<output-dir>/checkpoint-<step>/`` holds three or four files:
 - ``optimizer.safetensors``: the optimizer's per-parameter tensors (momentum, Adam moments);
 - ``method.safetensors``, when the method keeps state across steps (a queue, a center,
   a teacher): the same on every rank, so a run resumes on any number of processes;
-- ``trainer_state.json``: the step, the run's resolved options, and the optimizer's
-  few non-tensor values.
+- ``trainer_state.json``: the step, the run's resolved options, the optimizer's
+  few non-tensor values, and the content digests of the models and tokenizers the run
+  loaded (``inputs``), so that a resume needs the same files, not the same path.
 
 Nothing is pickled, so loading a checkpoint someone else made cannot run code:
 safetensors and JSON hold data only. Nothing else needs saving: the learning rate is
@@ -24,12 +25,13 @@ one is never picked by ``latest_checkpoint``.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +62,9 @@ class RunState:
     config: dict[str, Any]  # the run's resolved options
     train_samples: int
     world_size: int
+    #: Content digests of what an option loaded, by option name and part: e.g.
+    #: ``{"text_model": {"weights": ..., "tokenizer": ...}}`` (``content_digest``).
+    inputs: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +79,18 @@ class Checkpoint:
     optimizer_tensors: dict[str, torch.Tensor]
     optimizer_values: dict[str, Any]
     method_state: dict[str, torch.Tensor]  # empty for a method without state
+    inputs: dict[str, dict[str, str]]  # empty in a checkpoint older than the digests
+
+
+def content_digest(tensors: Mapping[str, torch.Tensor], values: Any = None) -> str:
+    """The SHA-256 of named tensors (name, dtype, shape and bytes, in name order) and of
+    JSON ``values``: what a loaded model or tokenizer is, whatever path it came from."""
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -130,6 +147,7 @@ def save_checkpoint(
         "train_samples": state.train_samples,
         "config": state.config,
         "optimizer": optimizer_values,
+        "inputs": state.inputs,
     }
     try:
         shutil.rmtree(partial, ignore_errors=True)
@@ -196,6 +214,7 @@ def load_checkpoint(path: str) -> Checkpoint:
             if os.path.exists(os.path.join(path, METHOD_FILE))
             else {}
         ),
+        inputs=state.get("inputs", {}),
     )
 
 
@@ -231,6 +250,12 @@ def _read_state(path: str) -> dict[str, Any]:
         )
     if state["step"] < 0:
         raise CheckpointError(f"{path!r}: negative step in {STATE_FILE}")
+    inputs = state.get("inputs", {})
+    if not isinstance(inputs, dict) or not all(
+        isinstance(parts, dict) and all(isinstance(v, str) for v in parts.values())
+        for parts in inputs.values()
+    ):
+        raise CheckpointError(f"{path!r}: malformed inputs in {STATE_FILE}")
     return state
 
 
@@ -306,7 +331,9 @@ def resume(
     gives each option's rule (``contrastive_accelerate.config``): a changed "apply"
     option is applied, a changed "refuse" option is an error, as is another training set.
     ``resolve`` fills the derived defaults of the saved options as this version does
-    (an older checkpoint may have left one at None).
+    (an older checkpoint may have left one at None). An option whose loaded content
+    both runs digested (``RunState.inputs``) is compared by content, not by its value:
+    the same model by another path continues, a tokenizer changed in place does not.
     """
     checkpoint = load_checkpoint(path)
     try:
@@ -317,7 +344,14 @@ def resume(
     for name, rule in rules.items():
         if rule == "free":
             continue
-        if name not in checkpoint.config:
+        if name in checkpoint.inputs and name in state.inputs:
+            refused += [
+                f"{flag(name)}'s {part} (content digest {digest[:12]} -> "
+                f"{state.inputs[name].get(part, 'none')[:12]})"
+                for part, digest in checkpoint.inputs[name].items()
+                if state.inputs[name].get(part) != digest
+            ]
+        elif name not in checkpoint.config:
             refused.append(f"{flag(name)} (not in the checkpoint)")
         elif saved[name] != state.config[name]:
             entry = f"{flag(name)} {saved[name]!r} -> {state.config[name]!r}"

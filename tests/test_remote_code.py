@@ -107,3 +107,9 @@ def test_every_from_pretrained_refuses_remote_code():
         keywords = {k.arg: k.value for k in call.keywords}
         trust = keywords.get("trust_remote_code")
         assert isinstance(trust, ast.Constant) and trust.value is False, where
+        # Weights load from safetensors only. Tokenizers, processors and configs read no
+        # weights (JSON, vocabularies): transformers would only write the flag into
+        # their saved config.
+        if "Model" in ast.unparse(call.func.value):
+            safetensors = keywords.get("use_safetensors")
+            assert isinstance(safetensors, ast.Constant) and safetensors.value is True, where

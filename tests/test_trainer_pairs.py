@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,14 +103,33 @@ def test_the_straight_run_trains_and_says_what_it_changed(runs):
 
 
 def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_path):
+    """Resumed from a copy of the text model at another path: the checkpoint records what
+    the model and tokenizer are (content digests), not where they were."""
     straight = runs(1, "--save-every", "2")
+    copy = shutil.copytree(data["model"], tmp_path / "same-model-elsewhere")
     resumed = tmp_path / "resumed"
     train_pooled(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
-           data["model"], "--output-dir", str(resumed),
+           str(copy), "--output-dir", str(resumed),
            "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
     error = final_difference(straight, resumed)
-    print(f"pairs resumed at step 2 of 5: {error:.1e}")
+    print(f"pairs resumed at step 2 of 5, the model by another path: {error:.1e}")
     assert error == 0.0
+
+
+def test_a_tokenizer_changed_in_place_is_refused_on_resume(runs, data, tmp_path):
+    """The control of the test above: the model's path and weights kept, its tokenizer
+    edited (no lower-casing), and the resume is refused, on every rank."""
+    straight = runs(1, "--save-every", "2")
+    model = shutil.copytree(data["model"], tmp_path / "model")
+    rules = json.loads((model / "tokenizer.json").read_text())
+    rules["normalizer"]["lowercase"] = False
+    (model / "tokenizer.json").write_text(json.dumps(rules))
+    result = train_pooled(2, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS,
+                          "--text-model", str(model), "--output-dir", str(tmp_path / "resumed"),
+                          "--resume-from", str(straight / "checkpoint-2"), check=False)  # fmt: skip
+    (line,) = set(one_line_errors(result, "--text-model's tokenizer (content digest", 2))
+    assert "weights" not in line
+    print(line)
 
 
 def test_final_loads_in_transformers_and_sentence_transformers_and_embeds_alike(runs):

@@ -51,6 +51,9 @@ class Method:
 
     model: nn.Module
     dataset: Any
+    #: Content digests of the models and tokenizers an option loaded, by option name
+    #: (``RunState.inputs``): a resume compares these, not the option's path.
+    inputs: dict[str, dict[str, str]] = {}
 
     def embed(self, model: nn.Module, chunk: Any, step: int) -> torch.Tensor:
         """One chunk as embeddings. It is the forward that ``cached_backward`` replays,

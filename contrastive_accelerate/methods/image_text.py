@@ -65,7 +65,7 @@ class ImageTextMethod(PairsMethod):
         self.seed, self.unique_texts = config.seed, config.unique_texts
         self.loss_name = config.loss or "infonce"
         (caption_column,) = data.text_columns
-        encoder, self.tokenizer = text_encoder(config, data, [caption_column])
+        encoder, self.tokenizer, self.inputs = text_encoder(config, data, [caption_column])
         width = config.projection_dim or SIMCLR_HEAD[2]
         image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
         text = TextTower(  # in the run's dtype already for text_dropout's probe forward

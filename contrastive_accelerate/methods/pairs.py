@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from contrastive_accelerate.checkpoint import content_digest
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
@@ -192,18 +193,37 @@ PAIRS = MethodRow(
 
 def text_encoder(config, data: PairData, columns):
     """``--text-model``'s encoder and tokenizer, or with ``scratch`` a small BERT and a
-    vocabulary of ``columns``' texts."""
+    vocabulary of ``columns``' texts; and what was loaded as content digests, for the
+    method's ``inputs``."""
     from models.text import SCRATCH, load_text_encoder, scratch_text_encoder
 
     if config.text_model == SCRATCH:
         texts = [text for column in columns for value in data.train[column]
                  for text in ([value] if isinstance(value, str) else value)]  # fmt: skip
-        return scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
-    if reason := unreachable_reason(config.text_model, "models"):
-        raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
-    encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
-    check_text_model_limits(config, encoder, tokenizer)
-    return encoder, tokenizer
+        encoder, tokenizer = scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
+    else:
+        if reason := unreachable_reason(config.text_model, "models"):
+            raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
+        encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
+        check_text_model_limits(config, encoder, tokenizer)
+    return encoder, tokenizer, {"text_model": text_model_digests(encoder, tokenizer)}
+
+
+def text_model_digests(encoder: nn.Module, tokenizer) -> dict[str, str]:
+    """What a text model is, whatever its path: the digest of its configuration and
+    weights, and that of its tokenizer (vocabulary, rules, special tokens)."""
+    config = {key: value for key, value in encoder.config.to_dict().items()
+              if key not in ("_name_or_path", "transformers_version")}  # fmt: skip
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    rules = {
+        "vocabulary": backend.to_str() if backend else sorted(tokenizer.get_vocab().items()),
+        "special_tokens": tokenizer.all_special_tokens,
+        "sides": [tokenizer.padding_side, tokenizer.truncation_side],
+    }
+    return {
+        "weights": content_digest(encoder.state_dict(), config),
+        "tokenizer": content_digest({}, rules),
+    }
 
 
 def check_text_model_limits(config, encoder: nn.Module, tokenizer) -> None:

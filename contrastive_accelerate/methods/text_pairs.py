@@ -52,7 +52,7 @@ class TextPairsMethod(PairsMethod):
         from models.text import TextPairModel, TextTower
 
         self.seed, self.unique_texts = config.seed, config.unique_texts
-        encoder, tokenizer = text_encoder(config, data, data.columns)
+        encoder, tokenizer, self.inputs = text_encoder(config, data, data.columns)
         tower = TextTower(
             encoder,
             config.text_pooling,
