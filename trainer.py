@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from contrastive_accelerate.checkpoint import CheckpointError, RunDirectory, RunState, resume
+from contrastive_accelerate.checkpoint import CheckpointError, RunState, resume
 from contrastive_accelerate.compat import forget_prepared, prepared_count
 from contrastive_accelerate.config import parse_args, resume_rules
 from contrastive_accelerate.data import batches_per_epoch, train_loader, workers_stopped_on_exit
@@ -36,6 +36,7 @@ from contrastive_accelerate.optim import make_optimizer, warmup_cosine
 from contrastive_accelerate.options import TrainConfig, check_data, check_launch, check_steps
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
+from contrastive_accelerate.run_directory import RunDirectory
 
 
 @dataclass

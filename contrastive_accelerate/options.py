@@ -34,6 +34,7 @@ from losses.dino import CENTER_FORMULAS
 from models import BACKBONES
 from models.simclr import VIT_SIZES
 from models.text import POOLINGS
+from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 
@@ -148,6 +149,13 @@ class TrainConfig:
         None, "pairs: columns anchor,positive[,negative...] (sentence-transformers' order)"
     )
     text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
+    image_model: str | None = option(
+        None, "image-text: a transformers vision model directory or hub name, for --model"
+    )
+    image_pooling: str = option(
+        "pooled", "--image-model: its pooled output, the first token or the patches' mean",
+        choices=IMAGE_POOLINGS,
+    )  # fmt: skip
     text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
     max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
     two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
@@ -243,13 +251,13 @@ class TrainConfig:
                 loss = self.loss or row.defaults(self)["loss"]
                 raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
+        METHODS[method].check(self)  # first: --image-model replaces --model's tower
         if self.drop_path and self.model not in VIT_SIZES:
             raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
             raise ConfigError(
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
             )
-        METHODS[method].check(self)
 
     @property
     def chosen_method(self) -> str:
@@ -280,7 +288,7 @@ class TrainConfig:
         config = _fill(
             self,
             method=self.chosen_method,
-            image_size=8 if digits else 32,
+            image_size=None if self.image_model else 8 if digits else 32,  # the processor's
             dropout=0.1 if self.model in VIT_SIZES else 0.0,
             crop_min_scale=0.5 if digits else 0.2,
             horizontal_flip=not digits,

@@ -20,10 +20,11 @@ device: no Python loop over samples, no generator state.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -209,6 +210,92 @@ def convert_sample_dropout(module: nn.Module) -> nn.Module:
         return parent
 
     return convert(module)
+
+
+def switch_off_kernel_dropout(
+    tower: nn.Module, probe: tuple[torch.Tensor, ...], say: Callable[[str], Any]
+) -> list[str]:
+    """Switch off the dropout that no sample key reaches, and prove none is left.
+
+    Dropout that a model's own code reads and draws inside a kernel (attention dropout
+    under SDPA) comes from each process's RNG: a ``SampleDropout`` that ``tower(*probe)``
+    never calls (BERT's, whose ``p`` the attention reads) and a float attribute named
+    ``*dropout*`` (ViT's, CLIP's and SigLIP's ``attention_dropout``) are set to 0. Then
+    two forwards of ``probe`` under the same keys and different global seeds must agree
+    exactly, or ``ValueError`` names the randomness left. Says what it switched off in
+    one line; returns the names."""
+    candidates = {
+        module: name
+        for name, module in tower.named_modules()
+        if isinstance(module, SampleDropout) and module.p > 0
+    }
+    called: set[nn.Module] = set()
+    hooks = [m.register_forward_hook(lambda m, i, o: called.add(m)) for m in candidates]
+    try:
+        _probe_forward(tower, probe, seed=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    silent = [name for module, name in candidates.items() if module not in called]
+    for module, name in candidates.items():
+        if name in silent:
+            module.p = 0.0
+    for name, module in tower.named_modules():
+        if isinstance(module, nn.Dropout | SampleDropout):
+            continue
+        for attribute, value in vars(module).items():
+            if "dropout" in attribute and isinstance(value, float) and value > 0:
+                setattr(module, attribute, 0.0)
+                silent.append(f"{name}.{attribute}")
+    if silent:
+        shown = ", ".join(silent[:2]) + (f" and {len(silent) - 2} more" if len(silent) > 2 else "")
+        say(
+            f"notice: dropout drawn inside a kernel cannot be keyed by sample, so it is switched "
+            f"off: {shown} (e.g. attention dropout under SDPA)"
+        )
+    if not torch.equal(_probe_forward(tower, probe, seed=0), _probe_forward(tower, probe, seed=1)):
+        raise ValueError(
+            f"{type(tower).__name__} draws randomness that no sample key reaches (its outputs "
+            "change with the global seed): the run would differ with the number of processes; "
+            "set its dropout to 0 or use --dropout-masks per-process"
+        )
+    return silent
+
+
+def _probe_forward(tower: nn.Module, probe: tuple[torch.Tensor, ...], seed: int) -> torch.Tensor:
+    """``tower(*probe)`` in training mode, under sample keys and the global seed ``seed``,
+    leaving the process's RNG as it was."""
+    was_training = tower.training
+    tower.train()
+    try:
+        with (
+            torch.random.fork_rng(devices=[]),
+            torch.no_grad(),
+            sample_randomness(torch.zeros(len(probe[0]), dtype=torch.int64)),
+        ):
+            torch.manual_seed(seed)
+            return tower(*probe)
+    finally:
+        tower.train(was_training)
+
+
+def keyed_recompute() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``torch.utils.checkpoint``'s ``context_fn`` for towers with ``SampleDropout``: a
+    checkpointed block recomputes its forward during backward, outside the
+    ``sample_randomness`` block it ran in; the recompute re-enters that block's keys,
+    so it draws the masks the forward drew. Non-reentrant checkpointing only (the
+    reentrant one takes no ``context_fn``)."""
+    keys = _ROW_KEYS.get()
+
+    @contextmanager
+    def restored() -> Iterator[None]:
+        token = _ROW_KEYS.set(keys)
+        try:
+            yield
+        finally:
+            _ROW_KEYS.reset(token)
+
+    return contextlib.nullcontext(), restored()
 
 
 def lowbias32(x: T) -> T:

@@ -14,13 +14,14 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from models.dropout import SampleDropout, sample_randomness
+from models.dropout import sample_randomness
+from models.vision import PretrainedImageModel
 
 POOLINGS = ("cls", "mean")
 #: ``--text-model scratch``: a small BERT from random weights, a word-level vocabulary.
@@ -30,6 +31,8 @@ SCRATCH_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 #: Subfolders of a saved ``TextPairModel``: each tower, and the sentence-transformers export.
 TOWER_DIR, SENTENCE_TRANSFORMER_DIR = "tower{}", "sentence_transformer"
+#: The subfolder of a saved ``ImageTextModel`` with a pretrained image tower.
+IMAGE_DIR = "image"
 
 
 class TextError(ValueError):
@@ -260,10 +263,16 @@ class ImageTextModel(nn.Module):
         return torch.cat([image, text])
 
     def save_pretrained(self, directory: str) -> None:
-        """``model.safetensors`` (both towers, the projections, the scale and bias) and the
-        text tower's encoder and tokenizer in ``tower0/`` through ``save_pretrained``."""
+        """``model.safetensors`` (both towers, the projections, the scale and bias), the
+        text tower's encoder and tokenizer in ``tower0/`` through ``save_pretrained``, and
+        a pretrained image tower's encoder and processor in ``image/``."""
         tokenizers = [self.tokenizer] if self.tokenizer is not None else []
-        save_towers(self, directory, [self.text], tokenizers, {"max_length": self.max_length})
+        described = {"max_length": self.max_length}
+        if isinstance(self.image, PretrainedImageModel):
+            self.image.save_pretrained(os.path.join(directory, IMAGE_DIR))
+            described["image"] = {"path": IMAGE_DIR, "pooling": self.image.encoder.pooling,
+                                  "projection": self.image.projection.out_features}  # fmt: skip
+        save_towers(self, directory, [self.text], tokenizers, described)
 
 
 def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: dict) -> None:
@@ -327,43 +336,6 @@ def export_sentence_transformer(
         stacks = [[Router.for_query_document(query_modules=stacks[0], document_modules=stacks[1])]]
     SentenceTransformer(modules=stacks[0], device="cpu").save(directory)
     return True
-
-
-def switch_off_kernel_dropout(
-    tower: TextTower, probe: tuple[torch.Tensor, torch.Tensor], say: Callable[[str], Any]
-) -> list[str]:
-    """Set to 0 every ``SampleDropout`` of ``tower`` whose module a forward never calls:
-    its probability is read by the model's own code and drawn inside a kernel (BERT's
-    SDPA attention dropout), from each process's RNG, where no sample key reaches it.
-    Says so in one line; returns the modules' names."""
-    candidates = {
-        module: name
-        for name, module in tower.named_modules()
-        if isinstance(module, SampleDropout) and module.p > 0
-    }
-    called: set[nn.Module] = set()
-    hooks = [m.register_forward_hook(lambda m, i, o: called.add(m)) for m in candidates]
-    was_training = tower.training
-    tower.train()
-    try:
-        input_ids, attention_mask = probe
-        with torch.no_grad(), sample_randomness(torch.zeros(len(input_ids), dtype=torch.int64)):
-            tower(input_ids, attention_mask)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        tower.train(was_training)
-    silent = [name for module, name in candidates.items() if module not in called]
-    for module, name in candidates.items():
-        if name in silent:
-            module.p = 0.0
-    if silent:
-        shown = ", ".join(silent[:2]) + (f" and {len(silent) - 2} more" if len(silent) > 2 else "")
-        say(
-            f"notice: dropout drawn inside a kernel cannot be keyed by sample, so it is switched "
-            f"off: {shown} (e.g. attention dropout under SDPA)"
-        )
-    return silent
 
 
 def _first_line(error: Exception) -> str:

@@ -23,6 +23,7 @@ from launch import (  # noqa: E402
     make_image_folder,
     make_sentence_pairs,
     make_text_model,
+    make_vision_model,
     small_labelled_dataset,
 )
 
@@ -99,6 +100,12 @@ def image_folder(tmp_path_factory) -> str:
 def tiny_bert(tmp_path_factory) -> str:
     """A 2-layer BERT (hidden 16, dropout 0.1) and its tokenizer, trained on ``WORDS``."""
     return str(make_text_model(tmp_path_factory.mktemp("bert"), dropout=0.1))
+
+
+@pytest.fixture(scope="session")
+def tiny_vit(tmp_path_factory) -> str:
+    """A 2-layer ViT (hidden 16, dropout 0.1, 8 px) and its image processor."""
+    return str(make_vision_model(tmp_path_factory.mktemp("vit"), dropout=0.1))
 
 
 @pytest.fixture(scope="session")

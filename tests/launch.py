@@ -429,6 +429,27 @@ def make_text_model(
     return root
 
 
+def make_vision_model(root: Path, *, dropout: float = 0.1, image_size: int = 8) -> Path:
+    """A tiny ``ViTModel`` from a ``ViTConfig`` (random weights, patches of 4 pixels, a
+    pooler) and a ``ViTImageProcessor`` with CLIP's mean and standard deviation, configured
+    in code and saved together: what ``--image-model`` loads, with nothing downloaded."""
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    config = ViTConfig(
+        image_size=image_size, patch_size=4, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ViTModel(config).save_pretrained(root)
+    ViTImageProcessor(
+        size={"height": image_size, "width": image_size},
+        image_mean=[0.4815, 0.4578, 0.4082], image_std=[0.2686, 0.2613, 0.2758],
+    ).save_pretrained(root)  # fmt: skip
+    return root
+
+
 def start(
     num_processes: int, *trainer_args: str, launcher_flags: list[str] | None = None
 ) -> subprocess.Popen:

@@ -14,7 +14,6 @@ from contrastive_accelerate.checkpoint import (
     OPTIMIZER_FILE,
     STATE_FILE,
     CheckpointError,
-    RunDirectory,
     RunState,
     complete_checkpoints,
     latest_checkpoint,
@@ -23,6 +22,7 @@ from contrastive_accelerate.checkpoint import (
     load_optimizer_state,
     save_checkpoint,
 )
+from contrastive_accelerate.run_directory import RunDirectory
 
 
 def _model() -> torch.nn.Module:

@@ -54,6 +54,7 @@ COMPANIONS = {
         if name != "temperature"
     },  # fmt: skip
     **{name: ["--columns", "anchor,positive"] for name in TEXT_OPTIONS if name != "columns"},
+    "image_pooling": ["--columns", "image,caption", "--image-model", "vit"],
 }
 
 
@@ -77,7 +78,7 @@ def test_derived_defaults_are_resolved_in_one_place():
     rest stay None (no default to derive: they mean "none")."""
     meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
                     "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
-                    "collective_timeout", "columns", "text_model",
+                    "collective_timeout", "columns", "text_model", "image_model",
                     "zero_shot_template"}  # fmt: skip
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
@@ -223,6 +224,15 @@ def test_usage_errors_are_one_line(capfd):
         ({"loss": "mnrl"}, "--loss mnrl does not apply to --method simclr"),
         ({"columns": "a,b", "loss": "ntxent"}, "--loss ntxent does not apply to --method pairs"),
         ({"text_pooling": "cls"}, "--text-pooling does not apply to --method simclr"),
+        ({"columns": "a,b", "image_pooling": "cls"}, "--image-pooling applies to --image-model"),
+        (
+            {"columns": "a,b", "image_model": "vit", "model": "mlp"},
+            "--model does not apply with --image-model",
+        ),
+        (
+            {"columns": "a,b", "image_model": "vit", "dropout": 0.1},
+            "--dropout does not apply with --image-model",
+        ),
         ({"drop_path": 0.1}, "--drop-path applies to the vit encoders, not resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
         (

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -185,3 +186,82 @@ def test_a_text_pair_option_with_image_text_is_one_line_on_every_rank(data, tmp_
                           data["model"], "--two-towers", "--output-dir", str(tmp_path),
                           check=False)  # fmt: skip
     one_line_errors(result, "--two-towers does not apply to image-text pairs", 2)
+
+
+# A pretrained transformers vision tower (--image-model): a tiny ViT with dropout 0.1 and
+# its processor's normalisation, the tiny BERT, the same data and batches.
+VIT = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-steps", "5",
+       "--columns", "image,caption", "--knn-k", "0", "--num-workers", "0", "--max-length",
+       "8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vit_runs(tmp_path_factory, data, tiny_vit):
+    return TrainerRuns(tmp_path_factory, *VIT, "--dataset", data["dataset"], "--text-model",
+                       data["model"], "--image-model", tiny_vit)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, processes",
+    [((), 2), (("--accumulation-chunks", "3"), 3), (("--image-pooling", "mean", *SIGLIP), 3)],
+    ids=["pooled-W2", "pooled-W3-K3", "mean-siglip-W3"],
+)
+def test_a_pretrained_vision_tower_trains_alike_on_n_processes(vit_runs, flags, processes):
+    reference = vit_runs(1, *one_chunk(flags))
+    error = final_difference(reference, vit_runs(processes, *flags))
+    print(f"image-text, a ViT tower {' '.join(flags)}, 1 vs {processes}: {error:.1e}")
+    assert error <= EXACT
+
+
+def test_control_the_vision_tower_with_per_process_dropout_is_not(vit_runs):
+    error = final_difference(vit_runs(1), vit_runs(2, "--dropout-masks", "per-process"))
+    print(f"image-text, a ViT tower with per-process dropout, 1 vs 2: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+def test_final_image_loads_in_transformers_and_embeds_as_the_trained_tower(vit_runs):
+    """final/image through ``AutoModel`` and ``AutoImageProcessor``: a PIL image the
+    processor prepares embeds as the trained tower embeds the data's pixels."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModel
+
+    from contrastive_accelerate.data import NORMALIZE
+
+    final = vit_runs(1) / "final"
+    weights = load_file(final / "model.safetensors")
+    model = AutoModel.from_pretrained(final / "image", dtype=torch.float64).eval()
+    processor = AutoImageProcessor.from_pretrained(final / "image")
+    picture = Image.fromarray(
+        (torch.rand(8, 8, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()
+    )
+    pixels = processor(picture, return_tensors="pt")["pixel_values"].double()
+    theirs = model(pixel_values=pixels).pooler_output @ weights["image.projection.weight"].T
+    from models.vision import PretrainedImageModel, VisionTower
+
+    ours = PretrainedImageModel(
+        VisionTower(model, "pooled", processor.image_mean, processor.image_std), 128
+    ).double()
+    ours.load_state_dict({k[len("image."):]: v for k, v in weights.items()
+                          if k.startswith("image.")})  # fmt: skip
+    data_pixels = NORMALIZE(torch.from_numpy(np.asarray(picture).copy()).permute(2, 0, 1))
+    with torch.no_grad():
+        error = (ours.eval()(data_pixels[None].double()) - theirs).abs().max().item()
+    print(f"final/image through AutoModel vs the trained tower: {error:.1e}")
+    assert error <= 1e-6  # the processor rescales by 1/255 in float32, the data in float32
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (("--image-model", "{bert}"), "takes no pixel_values: it is not a vision model"),
+        (("--image-model", "{vit}", "--model", "mlp"), "--model does not apply with --image-model"),
+        (("--image-model", "{vit}", "--image-size", "12"), "--image-size 12: --image-model"),
+    ],
+    ids=["not-a-vision-model", "with-model", "image-size"],
+)
+def test_a_vision_tower_problem_is_one_line_on_every_rank(data, tiny_vit, tmp_path, flags,
+                                                          expected):  # fmt: skip
+    flags = [flag.format(bert=data["model"], vit=tiny_vit) for flag in flags]
+    result = train_pooled(2, *VIT, "--dataset", data["dataset"], "--text-model", data["model"],
+                          *flags, "--output-dir", str(tmp_path), check=False)  # fmt: skip
+    one_line_errors(result, expected, 2)

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contrastive_accelerate.checkpoint import content_digest
 from contrastive_accelerate.data import evaluation_images
 from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, PairData
+from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.knn import KnnData, zero_shot_top1
+from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     DTYPES,
     SIMCLR_HEAD,
@@ -24,9 +27,12 @@ from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     embed_texts,
     first_texts,
+    freeze_unreached,
     say_truncated,
     text_dropout,
     text_encoder,
+    tower_dropout,
+    weights_digest,
 )
 from contrastive_accelerate.methods.simclr import shared, tiled
 from contrastive_accelerate.retrieval import paired_retrieval
@@ -67,7 +73,13 @@ class ImageTextMethod(PairsMethod):
         (caption_column,) = data.text_columns
         encoder, self.tokenizer, self.inputs = text_encoder(config, data, [caption_column])
         width = config.projection_dim or SIMCLR_HEAD[2]
-        image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
+        if config.image_model:
+            image, image_size, self.inputs["image_model"] = pretrained_image_model(
+                config, width, world_size, say
+            )
+        else:
+            image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
+            image_size = config.image_size
         text = TextTower(  # in the run's dtype already for text_dropout's probe forward
             encoder, config.text_pooling, width, use_attention_mask=config.attention_mask
         ).to(DTYPES[config.dtype])
@@ -87,7 +99,7 @@ class ImageTextMethod(PairsMethod):
             caption_column,
             self.tokenizer,
             config.max_length,
-            config.image_size,
+            image_size,
             config.seed,
             config.augment,
             **augmentation_options(config),
@@ -100,7 +112,7 @@ class ImageTextMethod(PairsMethod):
         self.template = config.zero_shot_template
         self.class_names = class_names(data) if self.template else None
         self.evaluation, self.caption_column = data.evaluation, caption_column
-        self.image_column, self.image_size = data.image_column, config.image_size
+        self.image_column, self.image_size = data.image_column, image_size
 
     def embed(self, model: nn.Module, chunk: ImageTextBatch, step: int) -> torch.Tensor:
         """The images' projections, then the captions'; dropout keyed by (seed, step, row
@@ -171,6 +183,47 @@ class ImageTextMethod(PairsMethod):
         finally:
             model.train()
         return figures
+
+
+def pretrained_image_model(
+    config, width: int, world_size: int, say: Say
+) -> tuple[nn.Module, int, dict[str, str]]:
+    """``--image-model``'s tower, pooled (``--image-pooling``) and projected into ``width``
+    as CLIP's is; the image size (``--image-size``, else its processor's); and the
+    digests of its weights and processor. Its dropout is keyed by sample like the other
+    towers'; parameters the pooling never reaches are frozen."""
+    from models.vision import (
+        PretrainedImageModel,
+        VisionTower,
+        load_vision_encoder,
+        processor_image_size,
+    )
+
+    name, dtype = config.image_model, DTYPES[config.dtype]
+    if reason := unreachable_reason(name, "models"):
+        raise TrainerError(f"cannot load --image-model {name!r}: {reason}")
+    encoder, processor = load_vision_encoder(name, dtype)
+    size = config.image_size or processor_image_size(processor)
+    tower = VisionTower(encoder, config.image_pooling, processor.image_mean, processor.image_std)
+    model = PretrainedImageModel(tower, width, processor).to(dtype)
+    probe = (torch.zeros(1, 3, size, size, dtype=dtype),)
+    try:
+        with torch.no_grad():
+            model.eval()(*probe)
+    except (IndexError, RuntimeError, ValueError) as error:
+        raise TrainerError(
+            f"--image-size {size}: --image-model {name!r} cannot embed it "
+            f"({str(error).strip().splitlines()[0][:160]})"
+        ) from None
+    model = tower_dropout(model.train(), probe, config, world_size, say)
+    freeze_unreached(model, probe, say)
+    processor_values = {key: value for key, value in processor.to_dict().items()
+                        if not key.startswith("_")}  # fmt: skip
+    digests = {
+        "weights": weights_digest(encoder),
+        "processor": content_digest({}, processor_values),
+    }
+    return model, size, digests
 
 
 class ImageProjections(nn.Module):

@@ -25,7 +25,8 @@ from contrastive_accelerate.methods.base import (
     Say,
     dataset_options,
 )
-from models import convert_sample_dropout
+from models import convert_sample_dropout, sample_randomness
+from models.dropout import switch_off_kernel_dropout
 
 #: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
 #: infonce (CLIP) or siglip.
@@ -39,6 +40,8 @@ TEXT_OPTIONS = (
     "zero_shot_template",
     "text_model",
     "text_pooling",
+    "image_model",
+    "image_pooling",
     "max_length",
     "two_towers",
     "unique_texts",
@@ -64,7 +67,12 @@ IMAGE_OPTIONS = (
     "logit_bias_init",
     "zero_shot_template",
     "linear_probe",
+    "image_model",
+    "image_pooling",
 )
+#: What ``--image-model``'s tower replaces: the architecture, and the dropout it has
+#: in its own configuration.
+TOWER_OPTIONS = ("model", "dropout", "drop_path")
 
 
 class PairsMethod(Method):
@@ -111,6 +119,12 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
+    if config.image_model:
+        for name in TOWER_OPTIONS:
+            if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
+                raise ConfigError(f"{flag(name)} does not apply with --image-model (its own tower)")
+    elif is_set(config, "image_pooling"):
+        raise ConfigError("--image-pooling applies to --image-model")
     template = config.zero_shot_template
     if template is not None:
         try:
@@ -212,18 +226,21 @@ def text_encoder(config, data: PairData, columns):
 def text_model_digests(encoder: nn.Module, tokenizer) -> dict[str, str]:
     """What a text model is, whatever its path: the digest of its configuration and
     weights, and that of its tokenizer (vocabulary, rules, special tokens)."""
-    config = {key: value for key, value in encoder.config.to_dict().items()
-              if key not in ("_name_or_path", "transformers_version")}  # fmt: skip
     backend = getattr(tokenizer, "backend_tokenizer", None)
     rules = {
         "vocabulary": backend.to_str() if backend else sorted(tokenizer.get_vocab().items()),
         "special_tokens": tokenizer.all_special_tokens,
         "sides": [tokenizer.padding_side, tokenizer.truncation_side],
     }
-    return {
-        "weights": content_digest(encoder.state_dict(), config),
-        "tokenizer": content_digest({}, rules),
-    }
+    return {"weights": weights_digest(encoder), "tokenizer": content_digest({}, rules)}
+
+
+def weights_digest(encoder: nn.Module) -> str:
+    """The digest of a ``transformers`` model's configuration (its paths left out) and
+    weights, as loaded: before any training."""
+    config = {key: value for key, value in encoder.config.to_dict().items()
+              if key not in ("_name_or_path", "transformers_version")}  # fmt: skip
+    return content_digest(encoder.state_dict(), config)
 
 
 def check_text_model_limits(config, encoder: nn.Module, tokenizer) -> None:
@@ -249,20 +266,46 @@ def check_text_model_limits(config, encoder: nn.Module, tokenizer) -> None:
 
 
 def text_dropout(tower: nn.Module, tokenizer, config, world_size: int, say: Say) -> nn.Module:
-    """The tower's own dropout keyed by sample (``--dropout-masks per-sample``), and the
-    dropout no key reaches switched off; or, the control, torch's per-process masks."""
-    from models.text import switch_off_kernel_dropout
+    """The text tower's dropout keyed by sample (``tower_dropout``), probed on one text."""
+    probe = tokenizer(["probe"], return_tensors="pt")
+    return tower_dropout(tower, (probe["input_ids"], probe["attention_mask"]), config,
+                         world_size, say)  # fmt: skip
 
+
+def tower_dropout(
+    tower: nn.Module, probe: tuple[torch.Tensor, ...], config, world_size: int, say: Say
+) -> nn.Module:
+    """The tower's own dropout keyed by sample (``--dropout-masks per-sample``), and the
+    dropout no key reaches switched off (``tower(*probe)`` shows which); or, the control,
+    torch's per-process masks."""
     if config.dropout_masks == "per-sample":
         tower = convert_sample_dropout(tower)
-        probe = tokenizer(["probe"], return_tensors="pt")
-        switch_off_kernel_dropout(tower, (probe["input_ids"], probe["attention_mask"]), say)
+        switch_off_kernel_dropout(tower, probe, say)
     elif world_size > 1 or config.accumulation_chunks > 1:
         say(
-            "warning: --dropout-masks per-process draws the text tower's dropout masks from "
+            "warning: --dropout-masks per-process draws the towers' dropout masks from "
             "each process's RNG: training is not world-size invariant"
         )
     return tower
+
+
+def freeze_unreached(model: nn.Module, probe: tuple[torch.Tensor, ...], say: Say) -> list[str]:
+    """Freeze the parameters that ``model(*probe)`` takes no gradient into (a pretrained
+    model's pooler or final norm that the chosen pooling skips): DDP would wait for
+    their gradients, and weight decay would still shrink them. Says so; returns their
+    names."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    with sample_randomness(torch.zeros(len(probe[0]), dtype=torch.int64)):
+        output = model(*probe)
+    gradients = torch.autograd.grad(output.sum(), [p for _, p in trained], allow_unused=True)
+    unreached = [name for (name, _), g in zip(trained, gradients, strict=True) if g is None]
+    for name, parameter in trained:
+        if name in unreached:
+            parameter.requires_grad_(False)
+    if unreached:
+        say(f"notice: {len(unreached)} parameters that the pooling never reaches are frozen "
+            f"(e.g. {unreached[0]})")  # fmt: skip
+    return unreached
 
 
 def say_truncated(data: PairData, columns, tokenizer, max_length: int, say: Say) -> None:

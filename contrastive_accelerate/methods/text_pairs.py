@@ -36,7 +36,7 @@ class TextPairsMethod(PairsMethod):
     text, and the attention masks keep that out of the result. Dropout inside the towers
     is keyed by (seed, step, row index, column); dropout that a kernel draws (attention
     dropout under SDPA) cannot be, and is switched off with a notice
-    (``models.text.switch_off_kernel_dropout``).
+    (``models.dropout.switch_off_kernel_dropout``).
     """
 
     def __init__(

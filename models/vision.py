@@ -1,0 +1,164 @@
+"""Pretrained vision towers: a ``transformers`` vision model (``--image-model``), its
+image processor's normalisation, and a pooling of its tokens.
+
+``transformers`` is the optional ``[text]`` extra: this module imports it only when a
+tower is loaded.
+
+    encoder, processor = load_vision_encoder("path/to/vit")
+    tower = VisionTower(encoder, "cls", processor.image_mean, processor.image_std)
+    features = tower(images)          # images normalised to [-1, 1], as the data give them
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from models.dropout import sample_randomness
+
+#: ``pooled``: the model's own pooled output (CLIP's and DINOv2's layer-normed class
+#: token, SigLIP's attention pooling head, ViT's pooler); ``cls``: the first token's last
+#: hidden state; ``mean``: the mean of the patch tokens' (class and register tokens left
+#: out).
+IMAGE_POOLINGS = ("pooled", "cls", "mean")
+#: The data's normalisation (``contrastive_accelerate.data.NORMALIZE``): pixels in [-1, 1].
+DATA_MEAN, DATA_STD = 0.5, 0.5
+
+
+class VisionError(ValueError):
+    """A vision tower problem the user must fix: reported as one line."""
+
+
+def load_vision_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
+    """``AutoModel`` and ``AutoImageProcessor`` from a local directory or the hub, from
+    safetensors only and without remote code. Raises ``VisionError`` for a missing
+    ``transformers``, an unloadable model, a dual encoder (``--clip-model`` loads
+    those) or a model that takes no ``pixel_values``."""
+    try:
+        import transformers
+    except ImportError:
+        raise VisionError("--image-model needs transformers: pip install -e '.[text]'") from None
+    try:
+        encoder = transformers.AutoModel.from_pretrained(
+            name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
+        )
+    except Exception as error:  # transformers raises many types; the user needs one line
+        raise VisionError(
+            f"cannot load --image-model {name_or_path!r}: {_first_line(error)}"
+        ) from None
+    if hasattr(encoder, "get_text_features"):
+        raise VisionError(
+            f"--image-model {name_or_path!r} is a dual encoder ({type(encoder).__name__}): "
+            "load both of its towers with --clip-model"
+        )
+    if "pixel_values" not in inspect.signature(encoder.forward).parameters:
+        raise VisionError(
+            f"--image-model {name_or_path!r} ({type(encoder).__name__}) takes no pixel_values: "
+            "it is not a vision model"
+        )
+    try:
+        processor = transformers.AutoImageProcessor.from_pretrained(
+            name_or_path, trust_remote_code=False
+        )
+    except Exception as error:
+        raise VisionError(
+            f"--image-model {name_or_path!r} has no image processor: {_first_line(error)}"
+        ) from None
+    return encoder, processor
+
+
+def processor_image_size(processor) -> int:
+    """The side of the square images the processor would give the model: its crop size
+    when it crops, else its resize target."""
+    size = processor.crop_size if getattr(processor, "do_center_crop", False) else processor.size
+    size = dict(size or {})
+    side = size.get("height") or size.get("shortest_edge") or size.get("width")
+    if not side:
+        raise VisionError(f"the image processor gives no image size ({size}): set --image-size")
+    return int(side)
+
+
+class VisionTower(nn.Module):
+    """A ``transformers`` vision encoder on images normalised as the data give them
+    (``[-1, 1]``): ``forward`` moves them to the processor's ``image_mean`` and
+    ``image_std``, runs the encoder, and pools its tokens (``IMAGE_POOLINGS``).
+
+    The normalisation is an affine map inside the model, so the data pipeline, its
+    per-sample augmentation and the evaluation images stay those of every tower.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        pooling: str = "pooled",
+        image_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        image_std: Sequence[float] = (0.5, 0.5, 0.5),
+    ) -> None:
+        super().__init__()
+        if pooling not in IMAGE_POOLINGS:
+            raise ValueError(f"pooling must be one of {IMAGE_POOLINGS}, got {pooling!r}")
+        self.encoder, self.pooling = encoder, pooling
+        mean, std = torch.tensor(image_mean), torch.tensor(image_std)
+        # x_model = (x01 - mean) / std with x01 = x * DATA_STD + DATA_MEAN, as one affine map
+        # (not saved: the processor holds it).
+        scale, shift = DATA_STD / std, (DATA_MEAN - mean) / std
+        self.register_buffer("scale", scale.view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("shift", shift.view(1, -1, 1, 1), persistent=False)
+
+    @property
+    def output_dim(self) -> int:
+        config = self.encoder.config
+        return getattr(config, "hidden_size", None) or config.vision_config.hidden_size
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if len(images) == 0:
+            # An idle rank: DDP needs every parameter in this rank's graph. One image, kept none.
+            with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
+                return self(images.new_zeros((1, *images.shape[1:])))[:0]
+        pixels = images * self.scale.to(images.dtype) + self.shift.to(images.dtype)
+        output = self.encoder(pixel_values=pixels)
+        if self.pooling == "pooled":
+            if getattr(output, "pooler_output", None) is None:
+                raise VisionError(
+                    f"{type(self.encoder).__name__} has no pooled output: use "
+                    "--image-pooling cls or mean"
+                )
+            return output.pooler_output
+        hidden = output.last_hidden_state
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        patch = self.encoder.config.patch_size
+        patches = (images.shape[-2] // patch) * (images.shape[-1] // patch)
+        return hidden[:, hidden.shape[1] - patches :].mean(dim=1)
+
+
+class PretrainedImageModel(nn.Module):
+    """A vision tower and CLIP's linear projection (no bias) into the shared width: the
+    image side of ``ImageTextModel``. ``embed`` gives the tower's features;
+    ``save_pretrained`` writes the encoder and its processor where ``AutoModel`` and
+    ``AutoImageProcessor`` load them."""
+
+    def __init__(self, tower: VisionTower, projection_dim: int, processor=None) -> None:
+        super().__init__()
+        self.encoder = tower
+        self.projection = nn.Linear(tower.output_dim, projection_dim, bias=False)
+        self.processor = processor  # saved beside the encoder, not trained
+
+    def save_pretrained(self, directory: str) -> None:
+        self.encoder.encoder.save_pretrained(directory, safe_serialization=True)
+        if self.processor is not None:
+            self.processor.save_pretrained(directory)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        return self.encoder(images)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.projection(self.encoder(images))
+
+
+def _first_line(error: Exception) -> str:
+    # transformers' messages run to many lines; the user needs the first.
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
