@@ -274,7 +274,8 @@ def _probe_forward(tower: nn.Module, probe: tuple[torch.Tensor, ...], seed: int)
             sample_randomness(torch.zeros(len(probe[0]), dtype=torch.int64)),
         ):
             torch.manual_seed(seed)
-            return tower(*probe)
+            output = tower(*probe)
+            return output if isinstance(output, torch.Tensor) else output[0]  # a ModelOutput
     finally:
         tower.train(was_training)
 
@@ -296,6 +297,18 @@ def keyed_recompute() -> tuple[AbstractContextManager, AbstractContextManager]:
             _ROW_KEYS.reset(token)
 
     return contextlib.nullcontext(), restored()
+
+
+def checkpoint_transformer_layers(encoder: nn.Module) -> None:
+    """Activation checkpointing for each layer of a ``transformers`` model, non-reentrant
+    and with ``keyed_recompute``: the recompute draws the forward's per-sample masks.
+    Raises ``ValueError`` for a model that does not support it."""
+    kwargs = {"use_reentrant": False, "context_fn": keyed_recompute}
+    enable = getattr(encoder, "activation_checkpointing_enable", None)  # transformers 5
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def lowbias32(x: T) -> T:

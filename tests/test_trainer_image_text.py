@@ -203,8 +203,13 @@ def vit_runs(tmp_path_factory, data, tiny_vit):
 
 @pytest.mark.parametrize(
     "flags, processes",
-    [((), 2), (("--accumulation-chunks", "3"), 3), (("--image-pooling", "mean", *SIGLIP), 3)],
-    ids=["pooled-W2", "pooled-W3-K3", "mean-siglip-W3"],
+    [
+        ((), 2),
+        (("--accumulation-chunks", "3"), 3),
+        (("--image-pooling", "mean", *SIGLIP), 3),
+        (("--gradient-checkpointing", "--image-pooling", "cls"), 2),
+    ],
+    ids=["pooled-W2", "pooled-W3-K3", "mean-siglip-W3", "checkpointing-cls-W2"],
 )
 def test_a_pretrained_vision_tower_trains_alike_on_n_processes(vit_runs, flags, processes):
     reference = vit_runs(1, *one_chunk(flags))

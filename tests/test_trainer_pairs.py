@@ -61,8 +61,19 @@ def runs(tmp_path_factory, data):
         (TWO_TOWERS, 2),
         (TWO_TOWERS, 3),
         ((*TWO_TOWERS, "--accumulation-chunks", "3"), 3),
+        (("--gradient-checkpointing",), 2),
+        (("--gradient-checkpointing", "--accumulation-chunks", "3"), 3),
     ],
-    ids=["W2", "W3", "W2-K3", "two-towers-W2", "two-towers-W3", "two-towers-W3-K3"],
+    ids=[
+        "W2",
+        "W3",
+        "W2-K3",
+        "two-towers-W2",
+        "two-towers-W3",
+        "two-towers-W3-K3",
+        "checkpointing-W2",
+        "checkpointing-W3-K3",
+    ],  # fmt: skip
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
     reference = runs(1, *one_chunk(flags))
@@ -71,6 +82,14 @@ def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processe
     assert error <= EXACT
     # Sums of counts and reciprocal ranks: equal up to their float64 summation order.
     assert retrieval(reference) == pytest.approx(retrieval(runs(processes, *flags)), abs=1e-12)
+
+
+def test_checkpointing_recomputes_the_same_masks_as_the_plain_run(runs):
+    """--gradient-checkpointing recomputes each BERT layer in backward with the forward's
+    per-sample dropout masks: the model trains as without it."""
+    error = final_difference(runs(1), runs(1, "--gradient-checkpointing"))
+    print(f"pairs with vs without --gradient-checkpointing, 1 process: {error:.1e}")
+    assert error <= EXACT
 
 
 def retrieval(run: Path) -> dict[str, float]:
@@ -84,8 +103,14 @@ def retrieval(run: Path) -> dict[str, float]:
         (("--dropout-masks", "per-process"), ()),
         (("--no-gather",), ()),
         (("--no-attention-mask",), ("--no-attention-mask",)),
+        (("--gradient-checkpointing", "--dropout-masks", "per-process"), ()),
     ],
-    ids=["per-process-dropout", "local-negatives", "no-attention-mask"],
+    ids=[
+        "per-process-dropout",
+        "local-negatives",
+        "no-attention-mask",
+        "checkpointing-per-process-dropout",
+    ],  # fmt: skip
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control, reference_flags):
     error = final_difference(runs(1, *reference_flags), runs(2, *control))

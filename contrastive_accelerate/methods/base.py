@@ -177,6 +177,8 @@ def image_model(config, world_size: int, say: Say, head: tuple[int, int, int], *
         drop_path=config.drop_path,
         **heads,
     ).to(DTYPES[config.dtype])
+    if config.gradient_checkpointing:  # the options allow it for the vits only
+        model.encoder.gradient_checkpointing = True
     if world_size > 1 and config.sync_batchnorm:
         model = convert_sync_batchnorm(model)
     chunks = config.accumulation_chunks

@@ -38,6 +38,7 @@ from contrastive_accelerate.methods.simclr import shared, tiled
 from contrastive_accelerate.retrieval import paired_retrieval
 from losses import InfoNCELoss, SigLIPLoss
 from models import sample_keys
+from models.dropout import checkpoint_transformer_layers
 
 #: CLIP clamps its learnable logit scale at 100.
 MAX_LOGIT_SCALE = 100.0
@@ -203,6 +204,9 @@ def pretrained_image_model(
     if reason := unreachable_reason(name, "models"):
         raise TrainerError(f"cannot load --image-model {name!r}: {reason}")
     encoder, processor = load_vision_encoder(name, dtype)
+    digests = {"weights": weights_digest(encoder)}
+    if config.gradient_checkpointing:
+        checkpoint_transformer_layers(encoder)
     size = config.image_size or processor_image_size(processor)
     tower = VisionTower(encoder, config.image_pooling, processor.image_mean, processor.image_std)
     model = PretrainedImageModel(tower, width, processor).to(dtype)

@@ -26,7 +26,7 @@ from contrastive_accelerate.methods.base import (
     dataset_options,
 )
 from models import convert_sample_dropout, sample_randomness
-from models.dropout import switch_off_kernel_dropout
+from models.dropout import checkpoint_transformer_layers, switch_off_kernel_dropout
 
 #: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
 #: infonce (CLIP) or siglip.
@@ -220,7 +220,10 @@ def text_encoder(config, data: PairData, columns):
             raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
         encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
         check_text_model_limits(config, encoder, tokenizer)
-    return encoder, tokenizer, {"text_model": text_model_digests(encoder, tokenizer)}
+    digests = {"text_model": text_model_digests(encoder, tokenizer)}
+    if config.gradient_checkpointing:
+        checkpoint_transformer_layers(encoder)
+    return encoder, tokenizer, digests
 
 
 def text_model_digests(encoder: nn.Module, tokenizer) -> dict[str, str]:

@@ -1,0 +1,139 @@
+"""Activation checkpointing that recomputes the forward's per-sample dropout: a
+transformers BERT and ViT (``checkpoint_transformer_layers``) and the torchvision ViT
+(``gradient_checkpointing``), float64, against the same model without checkpointing.
+
+The recompute runs in backward, outside the ``sample_randomness`` block of the forward;
+``keyed_recompute`` re-enters its keys. The control leaves it out: the recompute then
+has no keys, and ``SampleDropout`` refuses to draw a mask rather than draw another one.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from models import SimCLR, convert_sample_dropout, sample_keys, sample_randomness
+from models.dropout import checkpoint_transformer_layers, switch_off_kernel_dropout
+
+pytest.importorskip("transformers")
+EXACT = 0.0  # the recompute runs the same float64 operations on the same inputs
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, hidden_dropout_prob=0.1,
+                        attention_probs_dropout_prob=0.1)  # fmt: skip
+    return BertModel(config, add_pooling_layer=False).double()
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2,
+                       num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.1,
+                       attention_probs_dropout_prob=0.1)  # fmt: skip
+    return ViTModel(config).double()
+
+
+def _tokens() -> dict[str, torch.Tensor]:
+    ids = torch.randint(5, 50, (6, 7), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids}
+
+
+def _pixels() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(6, 3, 8, 8, generator=generator, dtype=torch.float64)}
+
+
+def _keyed(model: nn.Module, inputs: dict) -> nn.Module:
+    model = convert_sample_dropout(model)
+    switch_off_kernel_dropout(model, tuple(inputs.values()), lambda line: None)
+    return model.train()
+
+
+def _gradients(model: nn.Module, inputs: dict) -> tuple[dict[str, torch.Tensor], int]:
+    """The parameters' gradients of a fixed function of the outputs, and how many times
+    the first layer's first module started (2 per step when it is recomputed: a
+    pre-hook, as the recompute stops once it has what backward needs)."""
+    calls = []
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Layer")]
+    # Inside the layer: transformers keeps a layer's own hooks outside the checkpoint.
+    hook = next(layers[0].children()).register_forward_pre_hook(lambda *_: calls.append(1))
+    keys = sample_keys(0, 3, torch.arange(6))
+    with sample_randomness(keys):
+        hidden = model(**inputs).last_hidden_state
+    weights = torch.linspace(-1, 1, hidden.numel(), dtype=hidden.dtype).view_as(hidden)
+    (hidden * weights).sum().backward()
+    hook.remove()
+    return {
+        name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
+    }, len(calls)
+
+
+@pytest.mark.parametrize("build, inputs", [(_bert, _tokens), (_vit, _pixels)], ids=["bert", "vit"])
+def test_checkpointed_layers_recompute_the_same_masks(build, inputs):
+    inputs = inputs()
+    plain = _keyed(build(), inputs)
+    checkpointed = copy.deepcopy(plain)
+    checkpoint_transformer_layers(checkpointed)
+    expected, plain_calls = _gradients(plain, inputs)
+    found, calls = _gradients(checkpointed, inputs)
+    error = max((found[name] - expected[name]).abs().max().item() for name in expected)
+    print(f"{build.__name__[1:]}: checkpointed vs plain gradients {error:.1e}, layer ran {calls}x")
+    assert (plain_calls, calls) == (1, 2)  # the control of the recompute itself
+    assert found.keys() == expected.keys() and error <= EXACT
+
+
+@pytest.mark.parametrize("build, inputs", [(_bert, _tokens), (_vit, _pixels)], ids=["bert", "vit"])
+def test_control_a_recompute_without_the_forwards_keys_cannot_draw_them(build, inputs):
+    inputs = inputs()
+    model = _keyed(build(), inputs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(RuntimeError, match="needs each row's key"):
+        _gradients(model, inputs)
+
+
+def test_the_torchvision_vit_recomputes_each_block_with_the_same_masks():
+    torch.manual_seed(0)
+    plain = convert_sample_dropout(SimCLR(backbone="vit_tiny", image_size=16, dropout=0.1,
+                                          drop_path=0.1)).double().train()  # fmt: skip
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.encoder.gradient_checkpointing = True
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2)).double()
+    gradients, calls = [], []
+    for model in (plain, checkpointed):
+        block = model.encoder.encoder.layers[0]
+        hook = block.register_forward_pre_hook(lambda *_: calls.append(1))
+        with sample_randomness(sample_keys(0, 1, torch.arange(4))):
+            model(images).pow(2).sum().backward()
+        hook.remove()
+        gradients.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    error = max((gradients[1][n] - gradients[0][n]).abs().max().item() for n in gradients[0])
+    print(f"vit_tiny: checkpointed vs plain gradients {error:.1e}, first block ran {len(calls)}x")
+    assert len(calls) == 3  # once plain, twice checkpointed
+    assert error <= EXACT
+
+
+def test_under_bf16_autocast_the_recompute_draws_the_same_masks():
+    """bf16 autocast on the CPU: the recompute runs under the forward's autocast state
+    (torch's checkpoint restores it) and the keys, so the gradients are the plain ones."""
+    inputs = _tokens()
+    plain = _keyed(_bert().float(), inputs)
+    checkpointed = copy.deepcopy(plain)
+    checkpoint_transformer_layers(checkpointed)
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    with autocast():
+        expected, _ = _gradients(plain, inputs)
+    with autocast():
+        found, calls = _gradients(checkpointed, inputs)
+    error = max((found[name] - expected[name]).abs().max().item() for name in expected)
+    print(f"bert under bf16 autocast: checkpointed vs plain gradients {error:.1e}")
+    assert calls == 2 and error <= EXACT
