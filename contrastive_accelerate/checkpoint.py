@@ -152,7 +152,7 @@ def save_checkpoint(
     try:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        _write_tensors(os.path.join(partial, MODEL_FILE), model.state_dict())
+        _write_tensors(os.path.join(partial, MODEL_FILE), trained_state(model))
         _write_tensors(os.path.join(partial, OPTIMIZER_FILE), optimizer_tensors)
         if method_state:
             _write_tensors(os.path.join(partial, METHOD_FILE), method_state)
@@ -272,10 +272,26 @@ def _read_tensors(path: str, name: str) -> dict[str, torch.Tensor]:
         ) from None
 
 
+def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of ``model``: its state without the frozen parameters (a
+    LoRA run's base weights), which the run loads again from their files, as the
+    checkpoint's content digests (``RunState.inputs``) require."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return {name: t for name, t in model.state_dict().items() if name not in frozen}
+
+
 def load_model_state(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
-    """Load every tensor, strictly: a missing, extra or reshaped tensor is an error."""
+    """Load every tensor, strictly: a missing, extra or reshaped tensor is an error;
+    frozen parameters may be left out (``trained_state``)."""
+    missing = set(trained_state(model)) - set(checkpoint.model_state)
     try:
-        model.load_state_dict(checkpoint.model_state, strict=True)
+        if missing:
+            raise RuntimeError(f"Missing key(s) in state_dict: {', '.join(sorted(missing)[:5])}")
+        incompatible = model.load_state_dict(checkpoint.model_state, strict=False)
+        if incompatible.unexpected_keys:
+            raise RuntimeError(
+                f"Unexpected key(s) in state_dict: {', '.join(incompatible.unexpected_keys[:5])}"
+            )
     except RuntimeError as error:
         detail = " ".join(str(error).split())[:300]
         raise CheckpointError(

@@ -152,6 +152,19 @@ class TrainConfig:
     image_model: str | None = option(
         None, "image-text: a transformers vision model directory or hub name, for --model"
     )
+    lora_rank: int = option(
+        0, "pairs: LoRA adapters of this rank; 0: train every weight", at_least=0
+    )
+    lora_alpha: float = option(8.0, "LoRA: scale alpha (adapters add alpha / rank * BA)", above=0.0)
+    lora_dropout: float = option(
+        0.0, "LoRA: dropout of the adapters' input", at_least=0.0, below=1.0
+    )
+    lora_target_modules: str | None = option(
+        None, "LoRA: linear layers to adapt, e.g. query,value; none: the query and value ones"
+    )
+    lora_towers: str = option(
+        "both", "LoRA: the transformers towers it adapts", choices=("both", "text", "image")
+    )
     image_pooling: str = option(
         "pooled", "--image-model: its pooled output, the first token or the patches' mean",
         choices=IMAGE_POOLINGS,

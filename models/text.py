@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
+from models.lora import is_adapted, save_adapted
 from models.vision import PretrainedImageModel
 
 POOLINGS = ("cls", "mean")
@@ -31,6 +32,8 @@ SCRATCH_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 #: Subfolders of a saved ``TextPairModel``: each tower, and the sentence-transformers export.
 TOWER_DIR, SENTENCE_TRANSFORMER_DIR = "tower{}", "sentence_transformer"
+#: A tower's LoRA adapter (``models.lora``), beside its merged model in ``tower<i>/``.
+ADAPTER_DIR = "adapter{}"
 #: The subfolder of a saved ``ImageTextModel`` with a pretrained image tower.
 IMAGE_DIR = "image"
 
@@ -265,19 +268,26 @@ class ImageTextModel(nn.Module):
     def save_pretrained(self, directory: str) -> None:
         """``model.safetensors`` (both towers, the projections, the scale and bias), the
         text tower's encoder and tokenizer in ``tower0/`` through ``save_pretrained``, and
-        a pretrained image tower's encoder and processor in ``image/``."""
+        a pretrained image tower's encoder and processor in ``image/`` (merged, with its
+        LoRA adapter in ``image_adapter/``)."""
         tokenizers = [self.tokenizer] if self.tokenizer is not None else []
-        described = {"max_length": self.max_length}
+        described: dict[str, Any] = {"max_length": self.max_length}
         if isinstance(self.image, PretrainedImageModel):
-            self.image.save_pretrained(os.path.join(directory, IMAGE_DIR))
+            adapter = IMAGE_DIR + "_adapter"
+            self.image.save_pretrained(
+                os.path.join(directory, IMAGE_DIR), os.path.join(directory, adapter)
+            )
             described["image"] = {"path": IMAGE_DIR, "pooling": self.image.encoder.pooling,
-                                  "projection": self.image.projection.out_features}  # fmt: skip
+                                  "projection": self.image.projection.out_features,
+                                  "adapter": adapter if is_adapted(self.image.encoder.encoder)
+                                  else None}  # fmt: skip
         save_towers(self, directory, [self.text], tokenizers, described)
 
 
 def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: dict) -> None:
     """``model``'s weights in ``model.safetensors``, each text tower's encoder and tokenizer
-    in ``tower<i>/`` (``save_pretrained``), and ``config.json`` describing the towers."""
+    in ``tower<i>/`` (``save_pretrained``; an adapted encoder merged there, its LoRA
+    adapter in ``adapter<i>/``), and ``config.json`` describing the towers."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
@@ -286,13 +296,16 @@ def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: di
     described = []
     for index, tower in enumerate(towers):
         path = os.path.join(directory, TOWER_DIR.format(index))
-        tower.encoder.save_pretrained(path, safe_serialization=True)
+        adapter = ADAPTER_DIR.format(index) if is_adapted(tower.encoder) else None
+        if adapter:
+            save_adapted(tower.encoder, path, os.path.join(directory, adapter))
+        else:
+            tower.encoder.save_pretrained(path, safe_serialization=True)
         if index < len(tokenizers):
             tokenizers[index].save_pretrained(path)
         width = tower.projection.out_features if tower.projection is not None else None
-        described.append(
-            {"path": TOWER_DIR.format(index), "pooling": tower.pooling, "projection": width}
-        )
+        described.append({"path": TOWER_DIR.format(index), "pooling": tower.pooling,
+                          "projection": width, "adapter": adapter})  # fmt: skip
     with open(os.path.join(directory, "config.json"), "w") as file:
         json.dump({"towers": described, **config}, file, indent=2)
 

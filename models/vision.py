@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
+from models.lora import is_adapted, save_adapted
 
 #: ``pooled``: the model's own pooled output (CLIP's and DINOv2's layer-normed class
 #: token, SigLIP's attention pooling head, ViT's pooler); ``cls``: the first token's last
@@ -147,8 +148,14 @@ class PretrainedImageModel(nn.Module):
         self.projection = nn.Linear(tower.output_dim, projection_dim, bias=False)
         self.processor = processor  # saved beside the encoder, not trained
 
-    def save_pretrained(self, directory: str) -> None:
-        self.encoder.encoder.save_pretrained(directory, safe_serialization=True)
+    def save_pretrained(self, directory: str, adapter_directory: str | None = None) -> None:
+        """The encoder and processor in ``directory``; an adapted encoder merged there and
+        its adapter in ``adapter_directory``."""
+        encoder = self.encoder.encoder
+        if is_adapted(encoder):
+            save_adapted(encoder, directory, adapter_directory or directory + "_adapter")
+        else:
+            encoder.save_pretrained(directory, safe_serialization=True)
         if self.processor is not None:
             self.processor.save_pretrained(directory)
 

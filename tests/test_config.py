@@ -11,7 +11,13 @@ import yaml
 
 from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
 from contrastive_accelerate.launch import TrainerError
-from contrastive_accelerate.methods import DINO_OPTIONS, LOSSES, METHOD_OPTIONS, TEXT_OPTIONS
+from contrastive_accelerate.methods import (
+    DINO_OPTIONS,
+    LORA_OPTIONS,
+    LOSSES,
+    METHOD_OPTIONS,
+    TEXT_OPTIONS,
+)
 from contrastive_accelerate.options import check_data
 from trainer import TrainConfig
 
@@ -55,6 +61,8 @@ COMPANIONS = {
     },  # fmt: skip
     **{name: ["--columns", "anchor,positive"] for name in TEXT_OPTIONS if name != "columns"},
     "image_pooling": ["--columns", "image,caption", "--image-model", "vit"],
+    "gradient_checkpointing": ["--model", "vit_tiny"],
+    **{name: ["--columns", "a,b", "--lora-rank", "4"] for name in LORA_OPTIONS[1:]},
 }
 
 
@@ -79,7 +87,7 @@ def test_derived_defaults_are_resolved_in_one_place():
     meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
                     "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
                     "collective_timeout", "columns", "text_model", "image_model",
-                    "zero_shot_template"}  # fmt: skip
+                    "lora_target_modules", "zero_shot_template"}  # fmt: skip
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
@@ -114,7 +122,8 @@ def test_every_field_is_settable_from_the_command_line(field):
 def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
     # its own options (DINO's local crops a resnet or a vit): every field is in one of three files.
-    shared = {n: v for n, v in VALUES.items() if n not in ("method", "drop_path", *METHOD_OPTIONS)}
+    vit = ("drop_path", "gradient_checkpointing")  # in the vit's file only
+    shared = {n: v for n, v in VALUES.items() if n not in ("method", *vit, *METHOD_OPTIONS)}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
     dino = {"method": "dino", **{n: VALUES[n] for n in DINO_OPTIONS}}
@@ -124,7 +133,7 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
             "loss": VALUES["loss"],
             "overwrite_output_dir": None,
             "model": "vit_tiny",
-            "drop_path": VALUES["drop_path"],
+            **{name: VALUES[name] for name in vit},
         },  # fmt: skip
         {**shared, **moco, "resume_from": None},
         {**shared, **dino, "resume_from": None, "dropout": None, "model": "resnet34"},
@@ -225,6 +234,12 @@ def test_usage_errors_are_one_line(capfd):
         ({"columns": "a,b", "loss": "ntxent"}, "--loss ntxent does not apply to --method pairs"),
         ({"text_pooling": "cls"}, "--text-pooling does not apply to --method simclr"),
         ({"columns": "a,b", "image_pooling": "cls"}, "--image-pooling applies to --image-model"),
+        ({"columns": "a,b", "lora_alpha": 16.0}, "--lora-alpha applies with --lora-rank"),
+        (
+            {"columns": "a,b", "lora_rank": 4, "lora_towers": "image"},
+            "--lora-towers image needs a transformers image tower",
+        ),
+        ({"lora_rank": 4}, "--lora-rank does not apply to --method simclr"),
         (
             {"columns": "a,b", "image_model": "vit", "model": "mlp"},
             "--model does not apply with --image-model",

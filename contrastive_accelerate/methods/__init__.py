@@ -24,7 +24,7 @@ from __future__ import annotations
 from contrastive_accelerate.methods.base import DTYPES, Method, MethodRow
 from contrastive_accelerate.methods.dino import DINO, DINO_OPTIONS
 from contrastive_accelerate.methods.momentum import BYOL, MOCO, TEACHER_OPTIONS
-from contrastive_accelerate.methods.pairs import PAIR_LOSSES, PAIRS, TEXT_OPTIONS
+from contrastive_accelerate.methods.pairs import LORA_OPTIONS, PAIR_LOSSES, PAIRS, TEXT_OPTIONS
 from contrastive_accelerate.methods.simclr import LOSSES, SIMCLR, SimCLRMethod
 
 METHODS: dict[str, MethodRow] = {
@@ -41,6 +41,7 @@ METHOD_OPTIONS = tuple(dict.fromkeys(name for row in METHODS.values() for name i
 __all__ = [
     "DINO_OPTIONS",
     "DTYPES",
+    "LORA_OPTIONS",
     "LOSSES",
     "METHODS",
     "METHOD_OPTIONS",

@@ -25,6 +25,7 @@ from contrastive_accelerate.methods.base import (
 )
 from contrastive_accelerate.methods.pairs import (
     PairsMethod,
+    adapted,
     embed_texts,
     first_texts,
     freeze_unreached,
@@ -38,7 +39,6 @@ from contrastive_accelerate.methods.simclr import shared, tiled
 from contrastive_accelerate.retrieval import paired_retrieval
 from losses import InfoNCELoss, SigLIPLoss
 from models import sample_keys
-from models.dropout import checkpoint_transformer_layers
 
 #: CLIP clamps its learnable logit scale at 100.
 MAX_LOGIT_SCALE = 100.0
@@ -205,8 +205,7 @@ def pretrained_image_model(
         raise TrainerError(f"cannot load --image-model {name!r}: {reason}")
     encoder, processor = load_vision_encoder(name, dtype)
     digests = {"weights": weights_digest(encoder)}
-    if config.gradient_checkpointing:
-        checkpoint_transformer_layers(encoder)
+    encoder = adapted(encoder, config, "image", "--image-model")
     size = config.image_size or processor_image_size(processor)
     tower = VisionTower(encoder, config.image_pooling, processor.image_mean, processor.image_std)
     model = PretrainedImageModel(tower, width, processor).to(dtype)

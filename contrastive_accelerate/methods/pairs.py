@@ -34,6 +34,8 @@ PAIR_LOSSES = ("mnrl", "infonce", "siglip")
 TEXT_PAIR_LOSSES = ("mnrl",)
 IMAGE_TEXT_LOSSES = ("infonce", "siglip")
 
+#: LoRA adapters on the transformers towers (``models.lora``).
+LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_towers")
 #: What only pairs read.
 TEXT_OPTIONS = (
     "columns",
@@ -42,6 +44,7 @@ TEXT_OPTIONS = (
     "text_pooling",
     "image_model",
     "image_pooling",
+    *LORA_OPTIONS,
     "max_length",
     "two_towers",
     "unique_texts",
@@ -125,6 +128,12 @@ def check(config) -> None:
                 raise ConfigError(f"{flag(name)} does not apply with --image-model (its own tower)")
     elif is_set(config, "image_pooling"):
         raise ConfigError("--image-pooling applies to --image-model")
+    if not config.lora_rank:
+        for name in LORA_OPTIONS[1:]:
+            if is_set(config, name):
+                raise ConfigError(f"{flag(name)} applies with --lora-rank")
+    elif config.lora_towers == "image" and not config.image_model:
+        raise ConfigError("--lora-towers image needs a transformers image tower: --image-model")
     template = config.zero_shot_template
     if template is not None:
         try:
@@ -221,9 +230,23 @@ def text_encoder(config, data: PairData, columns):
         encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
         check_text_model_limits(config, encoder, tokenizer)
     digests = {"text_model": text_model_digests(encoder, tokenizer)}
+    return adapted(encoder, config, "text", "--text-model"), tokenizer, digests
+
+
+def adapted(encoder: nn.Module, config, tower: str, what: str) -> nn.Module:
+    """A transformers tower as the options train it: checkpointed layers with
+    ``--gradient-checkpointing``, and LoRA adapters (``--lora-rank``) when
+    ``--lora-towers`` names it."""
+    from models.lora import add_lora
+
     if config.gradient_checkpointing:
         checkpoint_transformer_layers(encoder)
-    return encoder, tokenizer, digests
+    if config.lora_rank and config.lora_towers in ("both", tower):
+        targets = config.lora_target_modules
+        targets = [name.strip() for name in targets.split(",")] if targets else None
+        encoder = add_lora(encoder, config.lora_rank, config.lora_alpha, config.lora_dropout,
+                           targets, what)  # fmt: skip
+    return encoder
 
 
 def text_model_digests(encoder: nn.Module, tokenizer) -> dict[str, str]:

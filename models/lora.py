@@ -1,0 +1,78 @@
+"""LoRA adapters (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
+on a ``transformers`` tower, through ``peft``: each adapted linear layer computes
+
+    h = W x + (alpha / r) * B A dropout(x),        A: r x d_in,  B: d_out x r,  B = 0 at start
+
+with ``W`` frozen. ``peft`` is the optional ``[lora]`` extra, imported only here.
+
+    encoder = add_lora(encoder, rank=16, alpha=32, dropout=0.1, targets=None, what="--text-model")
+    # ... train; then final/: the adapter for PeftModel.from_pretrained, and the merged model
+    save_adapted(encoder, "final/tower0", "final/adapter0")
+
+``peft`` draws ``dropout(x)`` with an ``nn.Dropout``, which ``convert_sample_dropout``
+keys by sample like every other dropout: 1 and N processes train the same adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+
+#: The query and value projections, which the LoRA paper adapts, under the names of
+#: BERT-style (``query``, ``value``) and CLIP-, SigLIP- and ViT-style attention.
+DEFAULT_TARGETS = ("query", "value", "q_proj", "v_proj")
+
+
+class LoraError(ValueError):
+    """An adapter problem the user must fix: reported as one line."""
+
+
+def add_lora(
+    encoder: nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: Sequence[str] | None,
+    what: str,
+) -> nn.Module:
+    """``encoder`` as a ``peft.PeftModel`` with LoRA adapters of ``rank`` on the linear
+    layers named ``targets`` (the last part of a module's name; None: those of
+    ``DEFAULT_TARGETS`` it has), every other weight frozen. ``what`` names the tower in
+    errors. Raises ``LoraError`` when ``peft`` is missing or nothing matches."""
+    try:
+        import peft
+    except ImportError:
+        raise LoraError("--lora-rank needs peft: pip install -e '.[lora]'") from None
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in encoder.named_modules() if isinstance(m, nn.Linear)}
+    )
+    chosen = list(targets) if targets else [name for name in DEFAULT_TARGETS if name in linear]
+    missing = [name for name in chosen if name not in linear]
+    if not chosen or missing:
+        asked = (
+            f"--lora-target-modules {','.join(missing)} matches no linear layer of {what}"
+            if missing
+            else f"--lora-rank: {what} has none of {', '.join(DEFAULT_TARGETS)}; name its layers "
+            "with --lora-target-modules"
+        )
+        raise LoraError(f"{asked} (its linear layers: {', '.join(linear) or 'none'})")
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=chosen)
+    return peft.get_peft_model(encoder, config)
+
+
+def is_adapted(encoder: nn.Module) -> bool:
+    """Whether ``encoder`` carries ``peft`` adapters (``add_lora``)."""
+    return hasattr(encoder, "peft_config") and hasattr(encoder, "merge_and_unload")
+
+
+def save_adapted(encoder: nn.Module, merged_directory: str, adapter_directory: str) -> None:
+    """The adapter in ``adapter_directory`` (``adapter_config.json`` and
+    ``adapter_model.safetensors``: what ``PeftModel.from_pretrained`` loads onto the base
+    model), and a merged copy of the model (``W + (alpha / r) B A``, no peft needed) in
+    ``merged_directory``, which ``AutoModel`` loads. The trained model is left as it is."""
+    encoder.save_pretrained(adapter_directory, safe_serialization=True)
+    copy.deepcopy(encoder).merge_and_unload().save_pretrained(
+        merged_directory, safe_serialization=True
+    )
