@@ -149,6 +149,9 @@ class TrainConfig:
         None, "pairs: columns anchor,positive[,negative...] (sentence-transformers' order)"
     )
     text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
+    clip_model: str | None = option(
+        None, "image-text: a whole CLIP or SigLIP model directory or hub name, both towers"
+    )
     image_model: str | None = option(
         None, "image-text: a transformers vision model directory or hub name, for --model"
     )
@@ -315,7 +318,7 @@ class TrainConfig:
         config = _fill(
             self,
             method=self.chosen_method,
-            image_size=None if self.image_model else 8 if digits else 32,  # the processor's
+            image_size=None if self.image_model or self.clip_model else 8 if digits else 32,
             dropout=0.1 if self.model in VIT_SIZES else 0.0,
             crop_min_scale=0.5 if digits else 0.2,
             horizontal_flip=not digits,

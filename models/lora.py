@@ -36,18 +36,27 @@ def add_lora(
     dropout: float,
     targets: Sequence[str] | None,
     what: str,
+    *,
+    towers: Sequence[str] = (),
+    also_trained: Sequence[str] = (),
 ) -> nn.Module:
     """``encoder`` as a ``peft.PeftModel`` with LoRA adapters of ``rank`` on the linear
     layers named ``targets`` (the last part of a module's name; None: those of
     ``DEFAULT_TARGETS`` it has), every other weight frozen. ``what`` names the tower in
-    errors. Raises ``LoraError`` when ``peft`` is missing or nothing matches."""
+    errors. Raises ``LoraError`` when ``peft`` is missing or nothing matches.
+
+    A dual encoder (CLIP) adapts only the layers inside its ``towers`` (submodule names);
+    ``also_trained`` modules (its projections, a tower trained whole) train in full and
+    are saved with the adapter (peft's ``modules_to_save``), and its own top-level
+    parameters (the logit scale and bias) train too."""
     try:
         import peft
     except ImportError:
         raise LoraError("--lora-rank needs peft: pip install -e '.[lora]'") from None
     linear = sorted(
-        {name.rsplit(".", 1)[-1] for name, m in encoder.named_modules() if isinstance(m, nn.Linear)}
-    )
+        {name.rsplit(".", 1)[-1] for name, m in encoder.named_modules()
+         if isinstance(m, nn.Linear) and (not towers or name.split(".", 1)[0] in towers)}
+    )  # fmt: skip
     chosen = list(targets) if targets else [name for name in DEFAULT_TARGETS if name in linear]
     missing = [name for name in chosen if name not in linear]
     if not chosen or missing:
@@ -58,8 +67,18 @@ def add_lora(
             "with --lora-target-modules"
         )
         raise LoraError(f"{asked} (its linear layers: {', '.join(linear) or 'none'})")
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=chosen)
-    return peft.get_peft_model(encoder, config)
+    where: str | list[str] = chosen
+    if towers:  # a full match of the module's name: inside a tower, ending in a target
+        where = rf"({'|'.join(towers)})\..*\.({'|'.join(chosen)})"
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=where,
+        modules_to_save=list(also_trained) or None,
+    )  # fmt: skip
+    top_level = [name for name, _ in encoder.named_parameters(recurse=False)] if towers else []
+    adapted = peft.get_peft_model(encoder, config)
+    for name in top_level:
+        getattr(adapted.get_base_model(), name).requires_grad_(True)
+    return adapted
 
 
 def is_adapted(encoder: nn.Module) -> bool:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
+from models.loading import first_line
 from models.lora import is_adapted, save_adapted
 from models.vision import PretrainedImageModel
 
@@ -61,9 +62,7 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
             name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
         )
     except Exception as error:  # transformers raises many types; the user needs one line
-        raise TextError(
-            f"cannot load --text-model {name_or_path!r}: {_first_line(error)}"
-        ) from None
+        raise TextError(f"cannot load --text-model {name_or_path!r}: {first_line(error)}") from None
     if getattr(encoder, "pooler", None) is not None:
         # Our pooling replaces BERT-style poolers: their weights would take no gradient,
         # which DDP refuses, and weight decay would still shrink them.
@@ -349,8 +348,3 @@ def export_sentence_transformer(
         stacks = [[Router.for_query_document(query_modules=stacks[0], document_modules=stacks[1])]]
     SentenceTransformer(modules=stacks[0], device="cpu").save(directory)
     return True
-
-
-def _first_line(error: Exception) -> str:
-    # transformers' messages run to many lines; the user needs the first.
-    return (str(error).strip() or type(error).__name__).splitlines()[0]

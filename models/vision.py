@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
+from models.loading import first_line
 from models.lora import is_adapted, save_adapted
 
 #: ``pooled``: the model's own pooled output (CLIP's and DINOv2's layer-normed class
@@ -48,7 +49,7 @@ def load_vision_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
         )
     except Exception as error:  # transformers raises many types; the user needs one line
         raise VisionError(
-            f"cannot load --image-model {name_or_path!r}: {_first_line(error)}"
+            f"cannot load --image-model {name_or_path!r}: {first_line(error)}"
         ) from None
     if hasattr(encoder, "get_text_features"):
         raise VisionError(
@@ -66,7 +67,7 @@ def load_vision_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
         )
     except Exception as error:
         raise VisionError(
-            f"--image-model {name_or_path!r} has no image processor: {_first_line(error)}"
+            f"--image-model {name_or_path!r} has no image processor: {first_line(error)}"
         ) from None
     return encoder, processor
 
@@ -164,8 +165,3 @@ class PretrainedImageModel(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.projection(self.encoder(images))
-
-
-def _first_line(error: Exception) -> str:
-    # transformers' messages run to many lines; the user needs the first.
-    return (str(error).strip() or type(error).__name__).splitlines()[0]

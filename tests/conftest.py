@@ -20,6 +20,7 @@ os.environ.setdefault(SESSION_MARK, str(os.getpid()))
 from launch import (  # noqa: E402
     TEST_ENVIRONMENT,
     WORDS,
+    make_dual_encoder,
     make_image_folder,
     make_sentence_pairs,
     make_text_model,
@@ -106,6 +107,18 @@ def tiny_bert(tmp_path_factory) -> str:
 def tiny_vit(tmp_path_factory) -> str:
     """A 2-layer ViT (hidden 16, dropout 0.1, 8 px) and its image processor."""
     return str(make_vision_model(tmp_path_factory.mktemp("vit"), dropout=0.1))
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> str:
+    """A tiny CLIPModel (two 2-layer towers, attention dropout 0.1), its tokenizer and processor."""
+    return str(make_dual_encoder(tmp_path_factory.mktemp("clip"), "clip"))
+
+
+@pytest.fixture(scope="session")
+def tiny_siglip(tmp_path_factory) -> str:
+    """A tiny SiglipModel, its tokenizer and processor."""
+    return str(make_dual_encoder(tmp_path_factory.mktemp("siglip"), "siglip"))
 
 
 @pytest.fixture(scope="session")

@@ -394,11 +394,28 @@ def make_text_model(
     root: Path, *, dropout: float = 0.1, pad_token: bool = True, vocab_size: int | None = None
 ) -> Path:
     """A tiny BERT from a ``BertConfig`` (random weights) and a WordPiece tokenizer that
-    ``tokenizers`` trains on ``WORDS``, saved together with ``save_pretrained``: what
-    ``--text-model`` loads, with nothing downloaded. ``vocab_size``: the model's, if not
-    the tokenizer's."""
+    ``tokenizers`` trains on ``WORDS`` (``make_tokenizer``), saved together with
+    ``save_pretrained``: what ``--text-model`` loads, with nothing downloaded.
+    ``vocab_size``: the model's, if not the tokenizer's."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    tokenizer = make_tokenizer(pad_token=pad_token)
+    config = BertConfig(
+        vocab_size=vocab_size or len(tokenizer), hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    BertModel(config, add_pooling_layer=False).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+def make_tokenizer(*, pad_token: bool = True):
+    """A WordPiece tokenizer that ``tokenizers`` trains on ``WORDS``: ``[CLS] text [SEP]``."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -412,20 +429,47 @@ def make_text_model(
         special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]")),
                         ("[SEP]", tokenizer.token_to_id("[SEP]"))],
     )  # fmt: skip
-    fast = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
         mask_token="[MASK]", **({"pad_token": "[PAD]"} if pad_token else {}),
     )  # fmt: skip
-    config = BertConfig(
-        vocab_size=vocab_size or tokenizer.get_vocab_size(), hidden_size=16, num_hidden_layers=2,
-        num_attention_heads=2, intermediate_size=32, max_position_embeddings=64,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-    )  # fmt: skip
-    import torch
 
+
+def make_dual_encoder(root: Path, kind: str = "clip", *, dropout: float = 0.1) -> Path:
+    """A tiny ``CLIPModel`` or ``SiglipModel`` from its config (two 2-layer towers of width
+    16, images of 8 px in patches of 4, attention dropout ``dropout``), the test's
+    tokenizer (CLIP pools each text at its ``[SEP]``) and an image processor, configured in
+    code and saved together: what ``--clip-model`` loads."""
+    import torch
+    from transformers import (
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        SiglipConfig,
+        SiglipImageProcessor,
+        SiglipModel,
+    )
+
+    tokenizer = make_tokenizer()
+    special = {"bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id,
+               "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    tower = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "attention_dropout": dropout}  # fmt: skip
+    text = {**tower, **special, "vocab_size": len(tokenizer), "max_position_embeddings": 32}
+    vision = {**tower, "image_size": 8, "patch_size": 4}
+    mean, std = [0.4815, 0.4578, 0.4082], [0.2686, 0.2613, 0.2758]
     torch.manual_seed(0)
-    BertModel(config, add_pooling_layer=False).save_pretrained(root)
-    fast.save_pretrained(root)
+    if kind == "clip":
+        model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8))
+        processor = CLIPImageProcessor(size={"shortest_edge": 8}, image_mean=mean, image_std=std,
+                                       crop_size={"height": 8, "width": 8})  # fmt: skip
+    else:
+        model = SiglipModel(SiglipConfig(text_config=text, vision_config=vision))
+        processor = SiglipImageProcessor(size={"height": 8, "width": 8}, image_mean=mean,
+                                         image_std=std)  # fmt: skip
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    processor.save_pretrained(root)
     return root
 
 

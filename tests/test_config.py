@@ -86,7 +86,7 @@ def test_derived_defaults_are_resolved_in_one_place():
     rest stay None (no default to derive: they mean "none")."""
     meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
                     "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
-                    "collective_timeout", "columns", "text_model", "image_model",
+                    "collective_timeout", "columns", "text_model", "image_model", "clip_model",
                     "lora_target_modules", "zero_shot_template"}  # fmt: skip
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
@@ -240,6 +240,14 @@ def test_usage_errors_are_one_line(capfd):
             "--lora-towers image needs a transformers image tower",
         ),
         ({"lora_rank": 4}, "--lora-rank does not apply to --method simclr"),
+        (
+            {"columns": "a,b", "clip_model": "clip", "text_model": "bert"},
+            "--text-model does not apply with --clip-model",
+        ),
+        (
+            {"columns": "a,b", "clip_model": "clip", "logit_scale_init": 20.0},
+            "--logit-scale-init does not apply with --clip-model",
+        ),
         (
             {"columns": "a,b", "image_model": "vit", "model": "mlp"},
             "--model does not apply with --image-model",

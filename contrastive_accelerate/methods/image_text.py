@@ -32,6 +32,7 @@ from contrastive_accelerate.methods.pairs import (
     say_truncated,
     text_dropout,
     text_encoder,
+    text_model_digests,
     tower_dropout,
     weights_digest,
 )
@@ -67,32 +68,15 @@ class ImageTextMethod(PairsMethod):
         total_steps: int | None = None,
         device: torch.device | str = "cpu",
     ):
-        from models.text import ImageTextModel, TextTower
-
         self.seed, self.unique_texts = config.seed, config.unique_texts
-        self.loss_name = config.loss or "infonce"
         (caption_column,) = data.text_columns
-        encoder, self.tokenizer, self.inputs = text_encoder(config, data, [caption_column])
-        width = config.projection_dim or SIMCLR_HEAD[2]
-        if config.image_model:
-            image, image_size, self.inputs["image_model"] = pretrained_image_model(
-                config, width, world_size, say
-            )
+        if config.clip_model:
+            self.model, image_size, self.inputs = dual_encoder(config, world_size, say)
+            self.tokenizer = self.model.tokenizer
+            self.loss_name = clip_loss(config, self.model)
         else:
-            image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
-            image_size = config.image_size
-        text = TextTower(  # in the run's dtype already for text_dropout's probe forward
-            encoder, config.text_pooling, width, use_attention_mask=config.attention_mask
-        ).to(DTYPES[config.dtype])
-        siglip = self.loss_name == "siglip"
-        self.model = ImageTextModel(
-            image,
-            text_dropout(text, self.tokenizer, config, world_size, say),
-            self.tokenizer,
-            logit_scale=config.logit_scale_init,
-            logit_bias=config.logit_bias_init if siglip else None,
-            max_length=config.max_length,
-        ).to(DTYPES[config.dtype])
+            self.loss_name = config.loss or "infonce"
+            self.model, image_size = self._towers(config, data, caption_column, world_size, say)
         say_truncated(data, [caption_column], self.tokenizer, config.max_length, say)
         self.dataset = ImageCaptions(
             data.train,
@@ -107,13 +91,40 @@ class ImageTextMethod(PairsMethod):
         )
         self.criterion = (
             SigLIPLoss(tile_columns=config.loss_tile_rows, **shared(config))
-            if siglip
+            if self.loss_name == "siglip"
             else InfoNCELoss(**tiled(config))
         )
         self.template = config.zero_shot_template
         self.class_names = class_names(data) if self.template else None
         self.evaluation, self.caption_column = data.evaluation, caption_column
         self.image_column, self.image_size = data.image_column, image_size
+
+    def _towers(self, config, data: PairData, caption_column: str, world_size: int, say: Say):
+        """``--text-model``'s tower and ``--model``'s or ``--image-model``'s, projected into
+        one width, with a learnable scale (and SigLIP's bias); and the image size."""
+        from models.text import ImageTextModel, TextTower
+
+        encoder, self.tokenizer, self.inputs = text_encoder(config, data, [caption_column])
+        width = config.projection_dim or SIMCLR_HEAD[2]
+        if config.image_model:
+            image, image_size, self.inputs["image_model"] = pretrained_image_model(
+                config, width, world_size, say
+            )
+        else:
+            image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
+            image_size = config.image_size
+        text = TextTower(  # in the run's dtype already for text_dropout's probe forward
+            encoder, config.text_pooling, width, use_attention_mask=config.attention_mask
+        ).to(DTYPES[config.dtype])
+        model = ImageTextModel(
+            image,
+            text_dropout(text, self.tokenizer, config, world_size, say),
+            self.tokenizer,
+            logit_scale=config.logit_scale_init,
+            logit_bias=config.logit_bias_init if self.loss_name == "siglip" else None,
+            max_length=config.max_length,
+        ).to(DTYPES[config.dtype])
+        return model, image_size
 
     def embed(self, model: nn.Module, chunk: ImageTextBatch, step: int) -> torch.Tensor:
         """The images' projections, then the captions'; dropout keyed by (seed, step, row
@@ -164,7 +175,7 @@ class ImageTextMethod(PairsMethod):
 
         def texts(rows):
             return embed_texts(model.text, self.tokenizer, [captions[i] for i in rows],
-                               model.max_length)  # fmt: skip
+                               model.max_length, parameter.device)  # fmt: skip
 
         figures = {}
         model.eval()
@@ -177,7 +188,9 @@ class ImageTextMethod(PairsMethod):
                     figures |= {f"{name}_{k}": v for k, v in found.items() if k != "mrr@10"}
                 if self.template is not None and knn is not None:
                     prompts = [self.template.format(name) for name in self.class_names]
-                    classes = embed_texts(model.text, self.tokenizer, prompts, model.max_length)
+                    classes = embed_texts(
+                        model.text, self.tokenizer, prompts, model.max_length, parameter.device
+                    )
                     figures["zero_shot_top1"] = zero_shot_top1(
                         ImageProjections(model.image), classes, knn
                     )
@@ -227,6 +240,59 @@ def pretrained_image_model(
         "processor": content_digest({}, processor_values),
     }
     return model, size, digests
+
+
+def dual_encoder(config, world_size: int, say: Say) -> tuple[nn.Module, int, dict]:
+    """``--clip-model``'s whole model (``models.dual_encoder.DualEncoder``): its dropout
+    keyed by sample, its layers checkpointed and adapted as the options say; the image
+    size (``--image-size``, else its processor's); and the digests of what it loaded."""
+    from models.dual_encoder import TOWERS, DualEncoder, load_dual_encoder
+    from models.vision import processor_image_size
+
+    name, dtype = config.clip_model, DTYPES[config.dtype]
+    if reason := unreachable_reason(name, "models"):
+        raise TrainerError(f"cannot load --clip-model {name!r}: {reason}")
+    model, tokenizer, processor = load_dual_encoder(name, dtype)
+    processor_values = {key: value for key, value in processor.to_dict().items()
+                        if not key.startswith("_")}  # fmt: skip
+    digests = {**text_model_digests(model, tokenizer),  # its weights, its tokenizer
+               "processor": content_digest({}, processor_values)}  # fmt: skip
+    projections = tuple(n for n in ("visual_projection", "text_projection") if hasattr(model, n))
+    towers = dict(zip(("image", "text"), TOWERS, strict=True))
+    model = adapted(model, config, "both", "--clip-model", towers=towers, also_trained=projections)
+    size = config.image_size or processor_image_size(processor)
+    clip = DualEncoder(model, tokenizer, processor, config.max_length).to(dtype)
+    text = tokenizer(["probe"], return_tensors="pt")
+    probe = (torch.zeros(1, 3, size, size, dtype=dtype),
+             [(text["input_ids"], text["attention_mask"])])  # fmt: skip
+    long = torch.full((1, config.max_length), tokenizer.pad_token_id, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            clip.eval()(probe[0], [(long, torch.ones_like(long))])
+    except (IndexError, RuntimeError, ValueError) as error:
+        raise TrainerError(
+            f"--image-size {size} or --max-length {config.max_length}: --clip-model {name!r} "
+            f"cannot embed it ({str(error).strip().splitlines()[0][:160]})"
+        ) from None
+    clip = tower_dropout(clip.train(), probe, config, world_size, say)
+    return clip, size, {"clip_model": digests}
+
+
+def clip_loss(config, model: nn.Module) -> str:
+    """The loss of ``--clip-model``: ``--loss``, else SigLIP's for a model with a logit bias
+    and CLIP's otherwise; a loss that would leave the bias untrained, or need one, is
+    refused."""
+    has_bias = model.logit_bias is not None
+    loss = config.loss or ("siglip" if has_bias else "infonce")
+    if has_bias != (loss == "siglip"):
+        kind = type(model.model.get_base_model() if hasattr(model.model, "get_base_model")
+                    else model.model).__name__  # fmt: skip
+        raise TrainerError(
+            f"--loss {loss}: --clip-model is a {kind}, "
+            + ("whose logit bias only --loss siglip trains" if has_bias
+               else "without the logit bias that --loss siglip needs: use --loss infonce")
+        )  # fmt: skip
+    return loss
 
 
 class ImageProjections(nn.Module):

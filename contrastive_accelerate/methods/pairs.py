@@ -6,6 +6,7 @@ here: the row of ``METHODS``, the text tower and the texts' helpers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ TEXT_OPTIONS = (
     "zero_shot_template",
     "text_model",
     "text_pooling",
+    "clip_model",
     "image_model",
     "image_pooling",
     *LORA_OPTIONS,
@@ -70,9 +72,13 @@ IMAGE_OPTIONS = (
     "logit_bias_init",
     "zero_shot_template",
     "linear_probe",
+    "clip_model",
     "image_model",
     "image_pooling",
 )
+#: What ``--clip-model``'s two towers, projections, scale and bias replace.
+CLIP_OPTIONS = ("text_model", "image_model", "model", "dropout", "drop_path", "projection_dim",
+                "text_pooling", "image_pooling", "logit_scale_init", "logit_bias_init")  # fmt: skip
 #: What ``--image-model``'s tower replaces: the architecture, and the dropout it has
 #: in its own configuration.
 TOWER_OPTIONS = ("model", "dropout", "drop_path")
@@ -112,7 +118,7 @@ def defaults(config) -> dict[str, Any]:
     if config.text_model != "scratch":
         values["lr"] = 5e-5
     loss = config.loss or IMAGE_TEXT_LOSSES[0]  # the data decide between mnrl and infonce
-    if loss in INITIAL_LOGIT_SCALE:
+    if loss in INITIAL_LOGIT_SCALE and not config.clip_model:  # a checkpoint has its own
         values["logit_scale_init"] = INITIAL_LOGIT_SCALE[loss]
     return values
 
@@ -122,7 +128,11 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
-    if config.image_model:
+    if config.clip_model:
+        for name in CLIP_OPTIONS:
+            if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
+                raise ConfigError(f"{flag(name)} does not apply with --clip-model (its own)")
+    elif config.image_model:
         for name in TOWER_OPTIONS:
             if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
                 raise ConfigError(f"{flag(name)} does not apply with --image-model (its own tower)")
@@ -132,7 +142,7 @@ def check(config) -> None:
         for name in LORA_OPTIONS[1:]:
             if is_set(config, name):
                 raise ConfigError(f"{flag(name)} applies with --lora-rank")
-    elif config.lora_towers == "image" and not config.image_model:
+    elif config.lora_towers == "image" and not (config.image_model or config.clip_model):
         raise ConfigError("--lora-towers image needs a transformers image tower: --image-model")
     template = config.zero_shot_template
     if template is not None:
@@ -150,10 +160,10 @@ def check(config) -> None:
 def check_data(config, data: PairData) -> None:
     """What needs the data: text or image-text, their losses and options, labels for
     the zero-shot evaluation, a text tower."""
-    if config.text_model is None:
+    if config.text_model is None and config.clip_model is None:
         raise TrainerError(
             "--columns needs --text-model: a transformers model directory, a hub name, or "
-            "scratch (a small BERT from random weights)"
+            "scratch (a small BERT from random weights); or, for image-text, --clip-model"
         )
     if data.image_column is None:
         if (config.loss or "mnrl") not in TEXT_PAIR_LOSSES:
@@ -233,20 +243,37 @@ def text_encoder(config, data: PairData, columns):
     return adapted(encoder, config, "text", "--text-model"), tokenizer, digests
 
 
-def adapted(encoder: nn.Module, config, tower: str, what: str) -> nn.Module:
-    """A transformers tower as the options train it: checkpointed layers with
+def adapted(
+    encoder: nn.Module,
+    config,
+    tower: str,
+    what: str,
+    *,
+    towers: dict[str, str] | None = None,
+    also_trained: tuple[str, ...] = (),
+) -> nn.Module:
+    """A transformers model as the options train it: checkpointed layers with
     ``--gradient-checkpointing``, and LoRA adapters (``--lora-rank``) when
-    ``--lora-towers`` names it."""
+    ``--lora-towers`` names its ``tower`` ("text" or "image"). A dual encoder gives
+    ``towers``, each kind's submodule: the towers ``--lora-towers`` leaves out train
+    whole, as do ``also_trained`` (its projections)."""
     from models.lora import add_lora
 
     if config.gradient_checkpointing:
         checkpoint_transformer_layers(encoder)
-    if config.lora_rank and config.lora_towers in ("both", tower):
-        targets = config.lora_target_modules
-        targets = [name.strip() for name in targets.split(",")] if targets else None
-        encoder = add_lora(encoder, config.lora_rank, config.lora_alpha, config.lora_dropout,
-                           targets, what)  # fmt: skip
-    return encoder
+    if not config.lora_rank:
+        return encoder
+    targets = config.lora_target_modules
+    targets = [name.strip() for name in targets.split(",")] if targets else None
+    if towers is None:
+        if config.lora_towers not in ("both", tower):
+            return encoder
+        return add_lora(encoder, config.lora_rank, config.lora_alpha, config.lora_dropout,
+                        targets, what)  # fmt: skip
+    chosen = [name for kind, name in towers.items() if config.lora_towers in ("both", kind)]
+    whole = tuple(name for name in towers.values() if name not in chosen)
+    return add_lora(encoder, config.lora_rank, config.lora_alpha, config.lora_dropout, targets,
+                    what, towers=chosen, also_trained=(*also_trained, *whole))  # fmt: skip
 
 
 def text_model_digests(encoder: nn.Module, tokenizer) -> dict[str, str]:
@@ -354,9 +381,15 @@ def first_texts(values: list) -> list[str]:
     return [value if isinstance(value, str) else value[0] for value in values]
 
 
-def embed_texts(tower: nn.Module, tokenizer, texts: list[str], max_length: int) -> torch.Tensor:
-    """``texts`` through ``tower``, padded to their longest and truncated to ``max_length``."""
+def embed_texts(
+    tower: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tokenizer,
+    texts: list[str],
+    max_length: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``texts`` through ``tower`` (a module or a dual encoder's ``text``) on ``device``,
+    padded to their longest and truncated to ``max_length``."""
     tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
                        return_tensors="pt")  # fmt: skip
-    device = next(tower.parameters()).device
     return tower(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))

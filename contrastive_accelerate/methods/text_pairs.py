@@ -115,9 +115,9 @@ class TextPairsMethod(PairsMethod):
             with torch.no_grad():
                 figures = paired_retrieval(
                     lambda rows: embed_texts(model.tower(0), self.tokenizer,
-                                             [anchors[i] for i in rows], self.max_length),
+                                             [anchors[i] for i in rows], self.max_length, device),
                     lambda rows: embed_texts(model.tower(1), self.tokenizer,
-                                             [positives[i] for i in rows], self.max_length),
+                                             [positives[i] for i in rows], self.max_length, device),
                     len(anchors), device,
                 )  # fmt: skip
         finally:
