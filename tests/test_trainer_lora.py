@@ -177,3 +177,49 @@ def test_an_adapter_problem_is_one_line_on_every_rank(sentence_pairs, bert, tmp_
     result = train_pooled(2, *PAIRS, "--dataset", sentence_pairs, "--text-model", bert, *flags,
                           "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
     one_line_errors(result, expected, 2)
+
+
+def _two_ddp_steps(rank: int, world_size: int, frozen: bool) -> str:
+    """Two DDP steps of a model whose second layer only rank 0 uses (as a pooler only some
+    ranks reach, or an adapter an idle rank skips); ``frozen``: that layer frozen, as the
+    trainer freezes what no forward reaches. Returns "trained"; DDP's refusal on rank 1
+    is raised, so that the pool replaces workers whose gloo pairs timed out."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    layers[1].requires_grad_(not frozen)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layers[0](x)
+            return self.layers[1](x) if rank == 0 else x
+
+    model = DistributedDataParallel(Model())
+    try:
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+    except RuntimeError as error:
+        if rank == 1:
+            raise
+        return f"timed out waiting for rank 1: {str(error).splitlines()[0][:80]}"
+    return "trained"
+
+
+def test_control_ddp_refuses_a_trainable_parameter_that_one_rank_skips():
+    """What freezing prevents: with the layer trainable, DDP stops at the second step (the
+    rank that skipped it finds the previous reduction unfinished, the other times out
+    waiting for it); frozen, both ranks train."""
+    from contrastive_accelerate.workers import run_in_group
+
+    frozen = run_in_group(_two_ddp_steps, 2, (True,), timeout_s=60, collective_timeout_s=2)
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction") as refused:
+        run_in_group(_two_ddp_steps, 2, (False,), timeout_s=60, collective_timeout_s=2)
+    (refusal,) = [line for line in str(refused.value).splitlines() if "Expected" in line][:1]
+    print(f"frozen: {frozen}; trainable, one rank skipping it: {refusal.strip()[:90]}")
+    assert frozen == ["trained", "trained"]
