@@ -8,7 +8,10 @@ BERT-base-sized one (12 layers, width 768, 12 heads). One process, global batch 
 over interleaved rounds, one step's extra peak memory in a fresh process (``VmHWM`` -
 ``VmRSS`` before it, so the weights loaded before are not counted), and the trainable
 parameters. The peer is ``SentenceTransformerTrainer`` with MNRL on the same tower with
-``model.add_adapter(LoraConfig(...))``, one optimizer step at a time.
+``model.add_adapter(LoraConfig(...))``, one optimizer step at a time; where
+transformers' PEFT integration refuses the installed peft (transformers 5 asks for
+0.22), peft's ``inject_adapter_in_model``, which ``add_adapter`` calls, adds the same
+adapters.
 
     python -m benchmarks.adapters            # ~6 min on 2 cores
     python -m benchmarks.adapters --quick    # smoke: the tiny tower, 2 rounds
@@ -17,6 +20,7 @@ parameters. The peer is ``SentenceTransformerTrainer`` with MNRL on the same tow
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -47,6 +51,7 @@ VARIANTS = {
 }  # fmt: skip
 
 
+@functools.cache
 def _tower(size: str) -> tuple[str, str]:
     """A BERT of ``SIZES[size]`` (random weights, seed 0) and a word-level tokenizer of the
     pairs' words, saved where ``--text-model`` loads them; and the pairs as a jsonl file."""
@@ -100,7 +105,7 @@ def _sentence_transformers(size: str):
     import threading
 
     from datasets import Dataset
-    from peft import LoraConfig
+    from peft import LoraConfig, inject_adapter_in_model
     from sentence_transformers import (
         SentenceTransformer,
         SentenceTransformerTrainer,
@@ -114,7 +119,11 @@ def _sentence_transformers(size: str):
     hidden = SIZES[size]["hidden_size"]
     model = SentenceTransformer(modules=[Transformer(model_path, max_seq_length=MAX_LENGTH),
                                          Pooling(hidden, "mean")], device="cpu")  # fmt: skip
-    model.add_adapter(LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["query", "value"]))
+    config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["query", "value"])
+    try:
+        model.add_adapter(config)
+    except ValueError:  # transformers 5's PEFT integration asks for peft >= 0.22
+        inject_adapter_in_model(config, model[0].auto_model)  # what add_adapter calls
     rows = [json.loads(line) for line in open(data)]
     go, done, seconds, ready = threading.Semaphore(0), threading.Semaphore(0), [], threading.Event()
 
@@ -196,9 +205,9 @@ def main() -> None:
         for name in names:
             who = name.split(":")[1]
             shown = "LoRA, sentence-transformers" if who == "sentence-transformers" else who
+            extra = memory[name].get("extra_peak_bytes", float("nan")) / 2**20
             lines.append(f"| {size} | {shown} | {memory[name].get('trainable', 0):,} | "
-                         f"{times[name] * 1e3:.0f} | "
-                         f"{memory[name].get('extra_peak_bytes', float('nan')) / 2**20:.0f} |")  # fmt: skip
+                         f"{times[name] * 1e3:.0f} | {extra:.0f} |")  # fmt: skip
         ours, theirs = times[f"{size}:LoRA"], times[f"{size}:sentence-transformers"]
         ratios.append(f"| {size} | {ours * 1e3:.0f} | {theirs * 1e3:.0f} | {ours / theirs:.2f} |")
     table = [*lines, "", *ratios]

@@ -15,6 +15,9 @@ Writes ``benchmarks/gpu_results.json`` and prints a table for docs/benchmarks.md
   samples/s after its first steps (where it compiles).
 - host-device synchronisations per training step, counted with
   ``torch.cuda.set_sync_debug_mode("warn")`` over the trainer's steps.
+- trainer.py fine-tuning a CLIP ViT-B/32-sized ``CLIPModel`` built in code (random
+  weights, 224 px, the digits with captions): samples/s and peak memory, whole and
+  with LoRA (rank 16 on the query and value projections of both towers).
 """
 
 from __future__ import annotations
@@ -263,6 +266,87 @@ def syncs_per_step(device: torch.device, steps: int, batch_size: int) -> float |
     return float(counts[1] - counts[0])
 
 
+#: CLIP ViT-B/32's sizes (Radford et al., 2021), and the smoke test's.
+CLIP_SIZES = {
+    "full": ({"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+              "num_attention_heads": 12, "image_size": 224, "patch_size": 32},
+             {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 12,
+              "num_attention_heads": 8, "max_position_embeddings": 77}, 512),
+    "quick": ({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "image_size": 32, "patch_size": 16},
+              {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "max_position_embeddings": 77}, 32),
+}  # fmt: skip
+
+
+def _clip_model(size: str) -> str:
+    """A ``CLIPModel`` of ``CLIP_SIZES[size]`` with a word-level tokenizer of the digits'
+    captions and a CLIP image processor, saved where ``--clip-model`` loads them."""
+    import tempfile
+
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from contrastive_accelerate.data.pairs import load_pair_dataset
+    from models.text import scratch_text_encoder
+
+    captions = load_pair_dataset(None, ("image", "caption")).train["caption"]
+    _, tokenizer = scratch_text_encoder([c for row in captions for c in row], 77, torch.float32)
+    vision, text, width = CLIP_SIZES[size]
+    special = {"bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id,
+               "pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}  # fmt: skip
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(text_config={**text, **special}, vision_config=vision,
+                                 projection_dim=width))  # fmt: skip
+    directory = tempfile.mkdtemp()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    side = vision["image_size"]
+    processor = CLIPImageProcessor(size={"shortest_edge": side},
+                                   crop_size={"height": side, "width": side})  # fmt: skip
+    processor.save_pretrained(directory)
+    return directory
+
+
+def _clip_here(device: str, precision: str, lora: bool, steps: int, batch_size: int,
+               size: str) -> dict:  # fmt: skip
+    """trainer.py fine-tuning ``_clip_model(size)``, whole or with LoRA, in this (fresh)
+    process: samples/s and the device's peak memory."""
+    import tempfile
+
+    from accelerate import Accelerator
+
+    from trainer import TrainConfig, train
+
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
+    if accelerator.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    adapters = {"lora_rank": 16, "lora_alpha": 32.0} if lora else {}
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = TrainConfig(columns="image,caption", clip_model=_clip_model(size),
+                             max_steps=steps, batch_size=batch_size, max_length=16, knn_k=0,
+                             log_every=steps, output_dir=output_dir, **adapters)  # fmt: skip
+        rate = train(config, accelerator).metrics["samples_per_s"]
+    peak = torch.cuda.max_memory_allocated() if accelerator.device.type == "cuda" else None
+    return {"samples_per_s": rate, "peak_bytes": peak}
+
+
+def clip_table(device: str, quick: bool) -> list[dict]:
+    """``_clip_here`` whole and with LoRA, each in a fresh process, in bf16 on a GPU."""
+    precision = "no" if quick else "bf16"
+    rows = []
+    for lora in (False, True):
+        result = in_fresh_process(
+            "benchmarks.gpu", "_clip_here", device, precision, lora, 3 if quick else 30,
+            8 if quick else 256, "quick" if quick else "full",
+        )  # fmt: skip
+        if "error" in result:
+            raise RuntimeError(f"CLIP {'LoRA' if lora else 'whole'}: {result['error']}")
+        rows.append({"training": "LoRA r16" if lora else "whole", "precision": precision,
+                     **result})  # fmt: skip
+    print("clip: done", flush=True)
+    return rows
+
+
 def run(device_name: str, quick: bool) -> dict:
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -285,6 +369,7 @@ def run(device_name: str, quick: bool) -> dict:
             device, (8, 16, 8, 8) if quick else (256, 64, 32, 32), 2 if quick else 20
         ),
         "syncs_per_step": syncs_per_step(device, steps=5, batch_size=64),
+        "clip": clip_table(device_name, quick),
     }
 
 
@@ -332,7 +417,14 @@ def table_lines(results: dict) -> list[str]:
         f"{bn['seconds']['synced'] * 1e3:.2f} ms against F.batch_norm's "
         f"{bn['seconds']['plain'] * 1e3:.2f} ms (ratio {bn['ratio']:.2f}); host-device "
         f"synchronisations per training step: {results['syncs_per_step']}",
+        "",
+        "| CLIP ViT-B/32-sized, --clip-model | precision | samples/s | peak memory |",
+        "|---|---|---|---|",
     ]
+    for row in results["clip"]:
+        peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.1f} GiB"
+        lines.append(f"| {row['training']} | {row['precision']} | "
+                     f"{row['samples_per_s']:.0f} | {peak} |")  # fmt: skip
     return lines
 
 
