@@ -11,6 +11,7 @@ final/ holds each adapter for ``PeftModel.from_pretrained`` and the merged model
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch import (
+    LAUNCHER_BF16,
     TrainerRuns,
     final_difference,
     make_text_model,
@@ -74,6 +76,24 @@ def test_image_text_trains_the_same_adapters_on_both_towers(image_text_runs, fla
     )
     print(f"LoRA on both image-text towers {' '.join(flags)}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
+
+
+def test_lora_with_checkpointing_trains_under_bf16_autocast(sentence_pairs, bert, tmp_path):
+    """``--mixed_precision bf16``: the adapters and the recompute under autocast, float32
+    parameters (the run's dtype), 2 processes; finite losses and moved adapters. bf16
+    rounds differently on 1 and 2 processes, so no equality is asserted."""
+    output = tmp_path / "bf16"
+    train_pooled(2, *PAIRS[2:], "--dtype", "float32", "--dataset", sentence_pairs,
+                 "--text-model", bert, "--gradient-checkpointing", "--log-every", "1",
+                 "--output-dir", str(output), environment=LAUNCHER_BF16)  # fmt: skip
+    losses = [json.loads(line).get("loss") for line in (output / "metrics.jsonl").open()]
+    losses = [loss for loss in losses if loss is not None]
+    adapters = {n: t for n, t in load_file(output / "final" / "model.safetensors").items()
+                if ".lora_B" in n}  # fmt: skip
+    print(f"LoRA + checkpointing under bf16, 2 processes: losses {losses}")
+    assert len(losses) == 5 and all(math.isfinite(loss) for loss in losses)
+    assert all(t.dtype == torch.float32 for t in adapters.values())
+    assert max(t.abs().max().item() for t in adapters.values()) > 0  # B starts at 0
 
 
 def test_control_lora_dropout_drawn_per_process_is_not_the_same(runs):
