@@ -192,7 +192,9 @@ class TrainConfig:
         1, "gradient caching: embed each share in K chunks", resume="apply", at_least=1
     )
     gradient_checkpointing: bool = option(
-        False, "recompute each block in backward: the vits and transformers towers", resume="apply"
+        False,
+        "recompute each block in backward: resnets, vits, transformers towers",
+        resume="apply",
     )
     epochs: int = option(45, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
@@ -271,16 +273,10 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         METHODS[method].check(self)  # first: --image-model replaces --model's tower
-        towers = self.chosen_method == "pairs" or self.model in VIT_SIZES  # transformers, vits
-        if self.gradient_checkpointing and not towers:
-            why = (
-                " (BatchNorm's running statistics would update twice)"
-                if "resnet" in self.model
-                else ""
-            )
+        if self.gradient_checkpointing and self.model == "mlp" and self.chosen_method != "pairs":
             raise ConfigError(
-                f"--gradient-checkpointing applies to the vits and transformers towers, not "
-                f"{self.model}{why}"
+                "--gradient-checkpointing applies to the resnets, the vits and transformers "
+                "towers, not mlp"
             )
         if self.drop_path and self.model not in VIT_SIZES:
             raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")

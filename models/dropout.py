@@ -299,18 +299,6 @@ def keyed_recompute() -> tuple[AbstractContextManager, AbstractContextManager]:
     return contextlib.nullcontext(), restored()
 
 
-def checkpoint_transformer_layers(encoder: nn.Module) -> None:
-    """Activation checkpointing for each layer of a ``transformers`` model, non-reentrant
-    and with ``keyed_recompute``: the recompute draws the forward's per-sample masks.
-    Raises ``ValueError`` for a model that does not support it."""
-    kwargs = {"use_reentrant": False, "context_fn": keyed_recompute}
-    enable = getattr(encoder, "activation_checkpointing_enable", None)  # transformers 5
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def lowbias32(x: T) -> T:
     """A 32-bit integer hash (Wellons' lowbias32) of values in [0, 2**32): a Python int or
     an int64 tensor."""

@@ -10,11 +10,9 @@ import torch.nn.functional as F
 import torchvision
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torchvision.ops import StochasticDepth
 
 from models.dino import DINOHead
-from models.dropout import keyed_recompute
 
 BACKBONES = ("resnet18", "resnet34", "resnet50", "vit_tiny", "vit_small", "mlp")
 #: Vision Transformers (Dosovitskiy et al., 2021) in DeiT's sizes (Touvron et al., 2021):
@@ -194,12 +192,7 @@ class MultiResolutionViT(torchvision.models.VisionTransformer):
     ``image_size`` the patch position embeddings are resized to the patch grid by
     DINO's bicubic ``interpolate_pos_encoding`` (the class token's is kept). At
     ``image_size`` it is torchvision's forward, with the same state names.
-
-    ``gradient_checkpointing = True`` recomputes each block in backward (non-reentrant,
-    the forward's per-sample dropout masks redrawn: ``models.dropout.keyed_recompute``).
     """
-
-    gradient_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, _, height, width = x.shape
@@ -212,13 +205,7 @@ class MultiResolutionViT(torchvision.models.VisionTransformer):
         x = torch.cat([self.class_token.expand(n, -1, -1), patches], dim=1)
         x = x + self.position_embedding(height // self.patch_size)
         encoder = self.encoder
-        x = encoder.dropout(x)
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            for block in encoder.layers:
-                x = checkpoint(block, x, use_reentrant=False, context_fn=keyed_recompute)
-        else:
-            x = encoder.layers(x)
-        return self.heads(encoder.ln(x)[:, 0])
+        return self.heads(encoder.ln(encoder.layers(encoder.dropout(x)))[:, 0])
 
     def position_embedding(self, grid: int) -> torch.Tensor:
         """``(1, 1 + grid**2, hidden)``: the class token's embedding, then the patches'

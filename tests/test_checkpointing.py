@@ -1,10 +1,12 @@
-"""Activation checkpointing that recomputes the forward's per-sample dropout: a
-transformers BERT and ViT (``checkpoint_transformer_layers``) and the torchvision ViT
-(``gradient_checkpointing``), float64, against the same model without checkpointing.
+"""Activation checkpointing that recomputes exactly what the forward computed: a
+transformers BERT and ViT (``checkpoint_transformer_layers``), the torchvision ViT and
+ResNet (``checkpoint_image_encoder``), float64, against the same model without it.
 
 The recompute runs in backward, outside the ``sample_randomness`` block of the forward;
 ``keyed_recompute`` re-enters its keys. The control leaves it out: the recompute then
 has no keys, and ``SampleDropout`` refuses to draw a mask rather than draw another one.
+A ResNet's recompute keeps BatchNorm's running statistics; the control, without that,
+updates them twice.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from torch import nn
 
 from models import SimCLR, convert_sample_dropout, sample_keys, sample_randomness
-from models.dropout import checkpoint_transformer_layers, switch_off_kernel_dropout
+from models.checkpointing import checkpoint_image_encoder, checkpoint_transformer_layers
+from models.dropout import switch_off_kernel_dropout
 
 pytest.importorskip("transformers")
 EXACT = 0.0  # the recompute runs the same float64 operations on the same inputs
@@ -106,7 +109,7 @@ def test_the_torchvision_vit_recomputes_each_block_with_the_same_masks():
     plain = convert_sample_dropout(SimCLR(backbone="vit_tiny", image_size=16, dropout=0.1,
                                           drop_path=0.1)).double().train()  # fmt: skip
     checkpointed = copy.deepcopy(plain)
-    checkpointed.encoder.gradient_checkpointing = True
+    checkpoint_image_encoder(checkpointed.encoder)
     images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2)).double()
     gradients, calls = [], []
     for model in (plain, checkpointed):
@@ -120,6 +123,45 @@ def test_the_torchvision_vit_recomputes_each_block_with_the_same_masks():
     print(f"vit_tiny: checkpointed vs plain gradients {error:.1e}, first block ran {len(calls)}x")
     assert len(calls) == 3  # once plain, twice checkpointed
     assert error <= EXACT
+
+
+def _resnet_step(keep_statistics: bool | None) -> tuple[dict, dict, int]:
+    """One training step of a float64 ResNet-18 (None: not checkpointed): its gradients,
+    its BatchNorm buffers after the step, and how often the first block started."""
+    torch.manual_seed(0)
+    model = SimCLR(backbone="resnet18", image_size=16).double().train()
+    if keep_statistics is not None:
+        checkpoint_image_encoder(model.encoder, keep_statistics=keep_statistics)
+    calls = []
+    model.encoder.layer1[0].conv1.register_forward_pre_hook(lambda *_: calls.append(1))
+    images = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2)).double()
+    model(images).pow(2).sum().backward()
+    gradients = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return gradients, {n: b.clone() for n, b in model.named_buffers()}, len(calls)
+
+
+def test_a_checkpointed_resnet_keeps_its_running_statistics_and_gradients():
+    (plain, plain_buffers, plain_calls), (found, buffers, calls) = (
+        _resnet_step(None), _resnet_step(True)
+    )  # fmt: skip
+    gradient_error = max((found[n] - plain[n]).abs().max().item() for n in plain)
+    buffer_error = max((buffers[n] - plain_buffers[n]).abs().max().item() for n in plain_buffers)
+    print(f"resnet18: checkpointed vs plain gradients {gradient_error:.1e}, BatchNorm buffers "
+          f"{buffer_error:.1e}, first block's conv ran {calls}x")  # fmt: skip
+    assert (plain_calls, calls) == (1, 2)
+    assert plain.keys() == found.keys() and gradient_error <= EXACT
+    assert buffers.keys() == plain_buffers.keys() and buffer_error == 0.0
+
+
+def test_control_a_recompute_that_updates_batchnorm_again_moves_its_statistics():
+    _, plain_buffers, _ = _resnet_step(None)
+    _, buffers, _ = _resnet_step(False)
+    moved = {n: (buffers[n] - plain_buffers[n]).abs().max().item() for n in plain_buffers}
+    print(f"resnet18 recomputed without keeping the statistics: running mean "
+          f"{max(v for n, v in moved.items() if 'running_mean' in n):.1e} away, batch count "
+          f"{max(v for n, v in moved.items() if 'num_batches' in n):.0f} more")  # fmt: skip
+    assert max(v for n, v in moved.items() if "running_mean" in n) > 1e-6
+    assert max(v for n, v in moved.items() if "num_batches" in n) == 1
 
 
 def test_under_bf16_autocast_the_recompute_draws_the_same_masks():

@@ -241,6 +241,10 @@ def test_usage_errors_are_one_line(capfd):
         ),
         ({"lora_rank": 4}, "--lora-rank does not apply to --method simclr"),
         (
+            {"model": "mlp", "gradient_checkpointing": True},
+            "--gradient-checkpointing applies to the resnets, the vits and transformers towers",
+        ),
+        (
             {"columns": "a,b", "clip_model": "clip", "text_model": "bert"},
             "--text-model does not apply with --clip-model",
         ),

@@ -24,6 +24,7 @@ from models import (
     sample_keys,
     sample_randomness,
 )
+from models.checkpointing import checkpoint_image_encoder
 from models.momentum import EMATeacher, KeyQueue
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -177,8 +178,8 @@ def image_model(config, world_size: int, say: Say, head: tuple[int, int, int], *
         drop_path=config.drop_path,
         **heads,
     ).to(DTYPES[config.dtype])
-    if config.gradient_checkpointing:  # the options allow it for the vits only
-        model.encoder.gradient_checkpointing = True
+    if config.gradient_checkpointing and config.model != "mlp":  # image-text's text tower may
+        checkpoint_image_encoder(model.encoder)
     if world_size > 1 and config.sync_batchnorm:
         model = convert_sync_batchnorm(model)
     chunks = config.accumulation_chunks

@@ -27,7 +27,8 @@ from contrastive_accelerate.methods.base import (
     dataset_options,
 )
 from models import convert_sample_dropout, sample_randomness
-from models.dropout import checkpoint_transformer_layers, switch_off_kernel_dropout
+from models.checkpointing import checkpoint_transformer_layers
+from models.dropout import switch_off_kernel_dropout
 
 #: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
 #: infonce (CLIP) or siglip.
