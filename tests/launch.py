@@ -473,24 +473,42 @@ def make_dual_encoder(root: Path, kind: str = "clip", *, dropout: float = 0.1) -
     return root
 
 
-def make_vision_model(root: Path, *, dropout: float = 0.1, image_size: int = 8) -> Path:
-    """A tiny ``ViTModel`` from a ``ViTConfig`` (random weights, patches of 4 pixels, a
-    pooler) and a ``ViTImageProcessor`` with CLIP's mean and standard deviation, configured
-    in code and saved together: what ``--image-model`` loads, with nothing downloaded."""
+def make_vision_model(
+    root: Path, *, dropout: float = 0.1, image_size: int = 8, kind: str = "vit",
+    drop_path: float = 0.0,
+) -> Path:  # fmt: skip
+    """A tiny ``ViTModel`` (or ``Dinov2Model``: ``kind`` "dinov2", with stochastic depth
+    ``drop_path``) from its config (random weights, patches of 4 pixels, a pooler) and an
+    image processor with CLIP's mean and standard deviation, configured in code and
+    saved together: what ``--image-model`` loads, with nothing downloaded."""
     import torch
-    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+    from transformers import (
+        BitImageProcessor,
+        Dinov2Config,
+        Dinov2Model,
+        ViTConfig,
+        ViTImageProcessor,
+        ViTModel,
+    )
 
-    config = ViTConfig(
-        image_size=image_size, patch_size=4, hidden_size=16, num_hidden_layers=2,
-        num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )  # fmt: skip
+    sizes = {"image_size": image_size, "patch_size": 4, "hidden_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_dropout_prob": dropout,
+             "attention_probs_dropout_prob": dropout}  # fmt: skip
+    normalisation = {"image_mean": [0.4815, 0.4578, 0.4082],
+                     "image_std": [0.2686, 0.2613, 0.2758]}  # fmt: skip
     torch.manual_seed(0)
-    ViTModel(config).save_pretrained(root)
-    ViTImageProcessor(
-        size={"height": image_size, "width": image_size},
-        image_mean=[0.4815, 0.4578, 0.4082], image_std=[0.2686, 0.2613, 0.2758],
-    ).save_pretrained(root)  # fmt: skip
+    if kind == "dinov2":
+        Dinov2Model(Dinov2Config(**sizes, mlp_ratio=2, drop_path_rate=drop_path)).save_pretrained(
+            root
+        )
+        processor = BitImageProcessor(size={"shortest_edge": image_size}, do_center_crop=True,
+                                      crop_size={"height": image_size, "width": image_size},
+                                      **normalisation)  # fmt: skip
+    else:
+        ViTModel(ViTConfig(**sizes, intermediate_size=32)).save_pretrained(root)
+        processor = ViTImageProcessor(size={"height": image_size, "width": image_size},
+                                      **normalisation)  # fmt: skip
+    processor.save_pretrained(root)
     return root
 
 

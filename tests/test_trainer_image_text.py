@@ -218,6 +218,26 @@ def test_a_pretrained_vision_tower_trains_alike_on_n_processes(vit_runs, flags, 
     assert error <= EXACT
 
 
+def test_a_dinov2_tower_trains_alike_and_its_unkeyed_drop_path_is_refused(data, tmp_path):
+    """A tiny DINOv2 (layer scale, register-free, mean of its patch tokens): 1 vs 2. With
+    stochastic depth, which DINOv2 draws from the process's RNG in its own module, the
+    two-seed probe finds randomness no sample key reaches: refused, on every rank."""
+    from launch import make_vision_model
+
+    dinov2 = make_vision_model(tmp_path / "dinov2", kind="dinov2")
+    common = [*VIT, "--dataset", data["dataset"], "--text-model", data["model"],
+              "--image-model", str(dinov2), "--image-pooling", "mean"]  # fmt: skip
+    for processes in (1, 2):
+        train_pooled(processes, *common, "--output-dir", str(tmp_path / str(processes)))
+    error = final_difference(tmp_path / "1", tmp_path / "2")
+    print(f"image-text, a DINOv2 tower, 1 vs 2: {error:.1e}")
+    assert error <= EXACT
+    drop_path = make_vision_model(tmp_path / "dinov2-drop-path", kind="dinov2", drop_path=0.2)
+    common[common.index(str(dinov2))] = str(drop_path)
+    result = train_pooled(2, *common, "--output-dir", str(tmp_path / "refused"), check=False)
+    one_line_errors(result, "draws randomness that no sample key reaches", 2)
+
+
 def test_control_the_vision_tower_with_per_process_dropout_is_not(vit_runs):
     error = final_difference(vit_runs(1), vit_runs(2, "--dropout-masks", "per-process"))
     print(f"image-text, a ViT tower with per-process dropout, 1 vs 2: {error:.1e}")
