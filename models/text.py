@@ -63,10 +63,7 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
         )
     except Exception as error:  # transformers raises many types; the user needs one line
         raise TextError(f"cannot load --text-model {name_or_path!r}: {first_line(error)}") from None
-    if getattr(encoder, "pooler", None) is not None:
-        # Our pooling replaces BERT-style poolers: their weights would take no gradient,
-        # which DDP refuses, and weight decay would still shrink them.
-        encoder.pooler = None
+    freeze_pooler(encoder)
     if tokenizer.pad_token_id is None:
         raise TextError(
             f"the tokenizer of --text-model {name_or_path!r} has no pad token; set one "
@@ -112,8 +109,20 @@ def scratch_text_encoder(texts: Sequence[str], max_length: int, dtype: torch.dty
     config = transformers.BertConfig(
         vocab_size=len(vocabulary), max_position_embeddings=max_length, **SCRATCH_SIZES
     )
-    encoder = transformers.BertModel(config, add_pooling_layer=False).to(dtype)
+    encoder = transformers.BertModel(config).to(dtype)  # a pooler, as AutoModel loads it back
+    freeze_pooler(encoder)
     return encoder, fast
+
+
+def freeze_pooler(encoder: nn.Module) -> None:
+    """Freeze a BERT-style pooler: our pooling replaces it, so it would take no gradient
+    (which DDP refuses) and only weight decay. It stays in the model, with the weights it
+    was loaded (or, missing there, initialised from the run's seed) with, so that the
+    saved tower and its sentence-transformers export load whole: ``AutoModel`` adds a
+    pooler to every BERT, and one missing from the files would be drawn at random."""
+    pooler = getattr(encoder, "pooler", None)
+    if pooler is not None:
+        pooler.requires_grad_(False)
 
 
 class TextTower(nn.Module):

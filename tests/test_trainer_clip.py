@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import TrainerRuns, final_difference, one_chunk, one_line_errors, train_pooled
+from launch import TrainerRuns, final_files_difference, one_chunk, one_line_errors, train_pooled
 
 pytest.importorskip("transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
@@ -46,20 +46,20 @@ def siglip_runs(tmp_path_factory, captioned_images, tiny_siglip):
     ids=["whole-W2", "whole-W3-K3", "lora-W2", "lora-W3-K3", "lora-text-checkpointing-W2"],
 )
 def test_a_clip_checkpoint_trains_alike_on_n_processes(runs, flags, processes):
-    error = final_difference(runs(1, *one_chunk(flags)), runs(processes, *flags))
+    error = final_files_difference(runs(1, *one_chunk(flags)), runs(processes, *flags))
     print(f"--clip-model {' '.join(flags) or 'whole'}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
 
 
 @pytest.mark.parametrize("flags", [(), LORA], ids=["whole", "lora"])
 def test_a_siglip_checkpoint_trains_alike_on_two_processes(siglip_runs, flags):
-    error = final_difference(siglip_runs(1, *flags), siglip_runs(2, *flags))
+    error = final_files_difference(siglip_runs(1, *flags), siglip_runs(2, *flags))
     print(f"--clip-model SigLIP {' '.join(flags) or 'whole'}, 1 vs 2: {error:.1e}")
     assert error <= EXACT
 
 
 def test_control_lora_dropout_drawn_per_process_is_not_the_same(runs):
-    error = final_difference(runs(1, *LORA), runs(2, *LORA, "--dropout-masks", "per-process"))
+    error = final_files_difference(runs(1, *LORA), runs(2, *LORA, "--dropout-masks", "per-process"))
     print(f"--clip-model LoRA dropout per process, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 
@@ -71,7 +71,7 @@ def test_a_lora_checkpoint_of_two_processes_resumes_on_three(runs, captioned_ima
     train_pooled(3, *COMMON, "--dataset", captioned_images, "--clip-model", tiny_clip, *LORA,
                  "--output-dir", str(resumed),
                  "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
-    error = final_difference(straight, resumed)
+    error = final_files_difference(straight, resumed)
     print(f"--clip-model LoRA resumed at step 2 of 5 on 3 processes, from 2: {error:.1e}")
     assert error <= EXACT
 

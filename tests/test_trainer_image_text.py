@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from launch import (
     TrainerRuns,
-    final_difference,
+    final_files_difference,
     launch,
     one_chunk,
     one_line_errors,
@@ -63,7 +63,7 @@ def runs(tmp_path_factory, data):
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
     reference = runs(1, *one_chunk(flags))
-    error = final_difference(reference, runs(processes, *flags))
+    error = final_files_difference(reference, runs(processes, *flags))
     print(f"image-text {' '.join(flags) or 'infonce'}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
 
@@ -79,7 +79,7 @@ def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processe
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control):
     reference = runs(1, *(BEFORE_THE_SHORT_BATCH if "--no-gather" in control else ()))
-    error = final_difference(reference, runs(2, *control))
+    error = final_files_difference(reference, runs(2, *control))
     print(f"image-text control {' '.join(control)}, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 
@@ -90,7 +90,7 @@ def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_pat
     train_pooled(1, *COMMON, "--dataset", data["dataset"], "--text-model", data["model"], *SIGLIP,
                  "--output-dir", str(resumed),
                  "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
-    error = final_difference(straight, resumed)
+    error = final_files_difference(straight, resumed)
     print(f"image-text resumed at step 4 of 5 (epoch 2): {error:.1e}")
     assert error == 0.0
 
@@ -175,7 +175,6 @@ def _load_image_text(final: Path, weights: dict) -> torch.nn.Module:
     image = SimCLR(backbone="mlp", image_size=8, projection_layers=2, projection_hidden_dim=512,
                    projection_dim=128)  # fmt: skip
     encoder = AutoModel.from_pretrained(final / "tower0")
-    encoder.pooler = None
     model = ImageTextModel(image, TextTower(encoder, "mean", 128))
     model.load_state_dict(weights)
     return model.eval()
@@ -213,7 +212,7 @@ def vit_runs(tmp_path_factory, data, tiny_vit):
 )
 def test_a_pretrained_vision_tower_trains_alike_on_n_processes(vit_runs, flags, processes):
     reference = vit_runs(1, *one_chunk(flags))
-    error = final_difference(reference, vit_runs(processes, *flags))
+    error = final_files_difference(reference, vit_runs(processes, *flags))
     print(f"image-text, a ViT tower {' '.join(flags)}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
 
@@ -229,7 +228,7 @@ def test_a_dinov2_tower_trains_alike_and_its_unkeyed_drop_path_is_refused(data, 
               "--image-model", str(dinov2), "--image-pooling", "mean"]  # fmt: skip
     for processes in (1, 2):
         train_pooled(processes, *common, "--output-dir", str(tmp_path / str(processes)))
-    error = final_difference(tmp_path / "1", tmp_path / "2")
+    error = final_files_difference(tmp_path / "1", tmp_path / "2")
     print(f"image-text, a DINOv2 tower, 1 vs 2: {error:.1e}")
     assert error <= EXACT
     drop_path = make_vision_model(tmp_path / "dinov2-drop-path", kind="dinov2", drop_path=0.2)
@@ -239,7 +238,7 @@ def test_a_dinov2_tower_trains_alike_and_its_unkeyed_drop_path_is_refused(data, 
 
 
 def test_control_the_vision_tower_with_per_process_dropout_is_not(vit_runs):
-    error = final_difference(vit_runs(1), vit_runs(2, "--dropout-masks", "per-process"))
+    error = final_files_difference(vit_runs(1), vit_runs(2, "--dropout-masks", "per-process"))
     print(f"image-text, a ViT tower with per-process dropout, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from launch import (
     LAUNCHER_BF16,
     TrainerRuns,
-    final_difference,
+    final_files_difference,
     make_text_model,
     one_chunk,
     one_line_errors,
@@ -62,7 +62,7 @@ def image_text_runs(tmp_path_factory, captioned_images, bert, tiny_vit):
     ids=["W2", "W3-K3", "checkpointing-W2"],
 )
 def test_text_pairs_train_the_same_adapters_on_n_processes(runs, flags, processes):
-    error = final_difference(runs(1, *one_chunk(flags)), runs(processes, *flags))
+    error = final_files_difference(runs(1, *one_chunk(flags)), runs(processes, *flags))
     print(f"LoRA text pairs {' '.join(flags)}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
 
@@ -71,7 +71,7 @@ def test_text_pairs_train_the_same_adapters_on_n_processes(runs, flags, processe
     "flags, processes", [((), 2), (("--accumulation-chunks", "3"), 3)], ids=["W2", "W3-K3"]
 )
 def test_image_text_trains_the_same_adapters_on_both_towers(image_text_runs, flags, processes):
-    error = final_difference(
+    error = final_files_difference(
         image_text_runs(1, *one_chunk(flags)), image_text_runs(processes, *flags)
     )
     print(f"LoRA on both image-text towers {' '.join(flags)}, 1 vs {processes}: {error:.1e}")
@@ -97,7 +97,7 @@ def test_lora_with_checkpointing_trains_under_bf16_autocast(sentence_pairs, bert
 
 
 def test_control_lora_dropout_drawn_per_process_is_not_the_same(runs):
-    error = final_difference(runs(1), runs(2, "--dropout-masks", "per-process"))
+    error = final_files_difference(runs(1), runs(2, "--dropout-masks", "per-process"))
     print(f"LoRA dropout per process, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 
@@ -113,6 +113,8 @@ def test_only_the_adapters_train_and_the_checkpoint_holds_only_them(runs, bert):
     frozen = {name: tensor for name, tensor in final.items() if name not in adapters}
     for name, tensor in frozen.items():
         original = name.replace("towers.0.encoder.base_model.model.", "").replace(".base_layer", "")
+        if original.startswith("pooler."):  # not in the files: drawn from the run's seed
+            continue
         assert torch.equal(tensor, base[original].double()), name
     assert adapters and set(checkpoint) == adapters
     held, total = (sum(t.numel() for t in d.values()) for d in (checkpoint, final))
@@ -126,7 +128,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one_and_ends_alike(runs, sente
     train_pooled(1, *PAIRS, "--dataset", sentence_pairs, "--text-model", bert,
                  "--output-dir", str(resumed),
                  "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
-    error = final_difference(straight, resumed)
+    error = final_files_difference(straight, resumed)
     print(f"LoRA resumed at step 2 of 5 on 1 process, from 2: {error:.1e}")
     assert error <= EXACT
 

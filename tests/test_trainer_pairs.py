@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from launch import (
     TrainerRuns,
-    final_difference,
+    final_files_difference,
     make_text_model,
     one_chunk,
     one_line_errors,
@@ -77,7 +77,7 @@ def runs(tmp_path_factory, data):
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
     reference = runs(1, *one_chunk(flags))
-    error = final_difference(reference, runs(processes, *flags))
+    error = final_files_difference(reference, runs(processes, *flags))
     print(f"pairs {' '.join(flags) or 'shared tower'}, 1 vs {processes}: {error:.1e}")
     assert error <= EXACT
     # Sums of counts and reciprocal ranks: equal up to their float64 summation order.
@@ -87,7 +87,7 @@ def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processe
 def test_checkpointing_recomputes_the_same_masks_as_the_plain_run(runs):
     """--gradient-checkpointing recomputes each BERT layer in backward with the forward's
     per-sample dropout masks: the model trains as without it."""
-    error = final_difference(runs(1), runs(1, "--gradient-checkpointing"))
+    error = final_files_difference(runs(1), runs(1, "--gradient-checkpointing"))
     print(f"pairs with vs without --gradient-checkpointing, 1 process: {error:.1e}")
     assert error <= EXACT
 
@@ -113,7 +113,7 @@ def retrieval(run: Path) -> dict[str, float]:
     ],  # fmt: skip
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control, reference_flags):
-    error = final_difference(runs(1, *reference_flags), runs(2, *control))
+    error = final_files_difference(runs(1, *reference_flags), runs(2, *control))
     print(f"control {' '.join(control)}, 1 vs 2: {error:.1e}")
     assert error > 1e3 * EXACT
 
@@ -136,7 +136,7 @@ def test_a_mid_epoch_resume_ends_where_the_straight_run_does(runs, data, tmp_pat
     train_pooled(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
            str(copy), "--output-dir", str(resumed),
            "--resume-from", str(straight / "checkpoint-2"))  # fmt: skip
-    error = final_difference(straight, resumed)
+    error = final_files_difference(straight, resumed)
     print(f"pairs resumed at step 2 of 5, the model by another path: {error:.1e}")
     assert error == 0.0
 
@@ -183,6 +183,49 @@ def test_final_loads_in_transformers_and_sentence_transformers_and_embeds_alike(
     errors = (reference - hf).abs().max().item(), (reference - embedded).abs().max().item()
     print(f"final/ round trip: AutoModel {errors[0]:.1e}, SentenceTransformer {errors[1]:.1e}")
     assert max(errors) <= 1e-6
+
+
+def test_two_identical_runs_write_the_same_final_files(runs, data, tmp_path):
+    """Every safetensors file of final/ (the model, tower0/, the sentence-transformers
+    export), 0.0 apart; and every tower loads whole: nothing missing, nothing drawn at
+    random by AutoModel or SentenceTransformer (BERT's pooler included)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    again = tmp_path / "again"
+    train_pooled(1, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS, "--text-model",
+                 data["model"], "--output-dir", str(again))  # fmt: skip
+    files = sorted(p.relative_to(again / "final") for p in (again / "final").rglob("*.safetensors"))
+    error = final_files_difference(runs(1), again)
+    print(f"two identical runs: {len(files)} files of final/ ({', '.join(map(str, files))}) "
+          f"{error:.1e} apart")  # fmt: skip
+    assert error == 0.0 and len(files) == 3
+    _, loading = AutoModel.from_pretrained(again / "final" / "tower0", output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    exported = SentenceTransformer(str(again / "final" / "sentence_transformer"), device="cpu")
+    tower = load_file(again / "final" / "tower0" / "model.safetensors")
+    state = exported[0].auto_model.state_dict()
+    assert state.keys() == tower.keys()
+    assert all(torch.equal(state[name].to(tower[name].dtype), tower[name]) for name in tower)
+
+
+def test_control_a_tower_saved_without_its_pooler_loads_with_a_random_one(tmp_path):
+    """What the export did before: a BERT saved without pooler weights, loaded twice under
+    different seeds, gets two different poolers (and a report that they are missing)."""
+    from transformers import AutoModel, BertConfig, BertModel
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32)  # fmt: skip
+    BertModel(config, add_pooling_layer=False).save_pretrained(tmp_path)
+    poolers = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model, loading = AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+        assert "pooler.dense.weight" in loading["missing_keys"]
+        poolers.append(model.pooler.dense.weight.detach())
+    difference = (poolers[0] - poolers[1]).abs().max().item()
+    print(f"a pooler drawn at load, two seeds: {difference:.2e} apart")
+    assert difference > 1e-3
 
 
 def test_the_logged_retrieval_is_what_the_final_towers_give(runs, data):
