@@ -330,15 +330,33 @@ def _clip_here(device: str, precision: str, lora: bool, steps: int, batch_size: 
     return {"samples_per_s": rate, "peak_bytes": peak}
 
 
-def clip_table(device: str, quick: bool) -> list[dict]:
-    """``_clip_here`` whole and with LoRA, each in a fresh process, in bf16 on a GPU."""
-    precision = "no" if quick else "bf16"
-    rows = []
+def _clip_kinds_here(device: str, precision: str, steps: int, batch_size: int,
+                     size: str) -> list[dict]:  # fmt: skip
+    """``_clip_here`` whole and with LoRA in this process, Accelerate's state reset
+    between them (the smoke test's shortcut: its rates are not measurements)."""
+    from contrastive_accelerate.compat import reset_accelerate_state
+
+    results = []
     for lora in (False, True):
-        result = in_fresh_process(
-            "benchmarks.gpu", "_clip_here", device, precision, lora, 3 if quick else 30,
-            8 if quick else 256, "quick" if quick else "full",
-        )  # fmt: skip
+        results.append(_clip_here(device, precision, lora, steps, batch_size, size))
+        reset_accelerate_state()
+    return results
+
+
+def clip_table(device: str, quick: bool) -> list[dict]:
+    """``_clip_here`` whole and with LoRA, each in a fresh process, in bf16 on a GPU (the
+    smoke test: both in one process)."""
+    precision = "no" if quick else "bf16"
+    if quick:
+        results = in_fresh_process("benchmarks.gpu", "_clip_kinds_here", device, precision, 3, 8,
+                                   "quick")  # fmt: skip
+    else:
+        results = [in_fresh_process("benchmarks.gpu", "_clip_here", device, precision, lora, 30,
+                                    256, "full") for lora in (False, True)]  # fmt: skip
+    if "error" in results:
+        raise RuntimeError(f"CLIP: {results['error']}")
+    rows = []
+    for lora, result in zip((False, True), results, strict=True):
         if "error" in result:
             raise RuntimeError(f"CLIP {'LoRA' if lora else 'whole'}: {result['error']}")
         rows.append({"training": "LoRA r16" if lora else "whole", "precision": precision,
