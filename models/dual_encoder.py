@@ -13,7 +13,6 @@ scale and SigLIP's bias, all the checkpoint's own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +21,9 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
-from models.loading import first_line
+from models.loading import first_line, load_auto_model
 from models.lora import is_adapted, save_adapted
+from models.text import image_text_forward
 from models.vision import DATA_MEAN, DATA_STD
 
 #: The submodules of a CLIP- or SigLIP-style dual encoder that hold each tower.
@@ -40,25 +40,14 @@ def load_dual_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
     """The model, its tokenizer and its image processor, from safetensors only and
     without remote code. Raises ``DualEncoderError`` for a missing ``transformers``, an
     unloadable model, one without both feature methods, or a tokenizer without padding."""
-    try:
-        import transformers
-    except ImportError:
-        raise DualEncoderError(
-            "--clip-model needs transformers: pip install -e '.[text]'"
-        ) from None
-    try:
-        model = transformers.AutoModel.from_pretrained(
-            name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
-        )
-    except Exception as error:  # transformers raises many types; the user needs one line
-        raise DualEncoderError(
-            f"cannot load --clip-model {name_or_path!r}: {first_line(error)}"
-        ) from None
+    model = load_auto_model(name_or_path, dtype, "--clip-model", DualEncoderError)
     if not (hasattr(model, "get_image_features") and hasattr(model, "get_text_features")):
         raise DualEncoderError(
             f"--clip-model {name_or_path!r} ({type(model).__name__}) is not a dual encoder: it "
             "has no get_image_features and get_text_features"
         )
+    import transformers
+
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             name_or_path, trust_remote_code=False
@@ -130,13 +119,7 @@ class DualEncoder(nn.Module):
         columns: Sequence[tuple[torch.Tensor, torch.Tensor]],
         keys: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        ((input_ids, attention_mask),) = columns
-        image_keys, text_keys = keys if keys is not None else (None, None)
-        with sample_randomness(image_keys) if keys is not None else contextlib.nullcontext():
-            image = self.image(images)
-        with sample_randomness(text_keys) if keys is not None else contextlib.nullcontext():
-            text = self.text(input_ids, attention_mask)
-        return torch.cat([image, text])
+        return image_text_forward(self.image, self.text, images, columns, keys)
 
     def save_pretrained(self, directory: str) -> None:
         """The model in its own format (``CLIPModel.from_pretrained(directory)``), with its

@@ -14,14 +14,14 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from models.dropout import sample_randomness
-from models.loading import first_line
+from models.loading import first_line, load_auto_model
 from models.lora import is_adapted, save_adapted
 from models.vision import PretrainedImageModel
 
@@ -48,18 +48,14 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
     safetensors only and without remote code: loading never executes code. Raises
     ``TextError`` for a missing ``transformers``, an unloadable model or a tokenizer
     without a pad token (the batches are padded)."""
-    try:
-        import transformers
-    except ImportError:
-        raise TextError("--text-model needs transformers: pip install -e '.[text]'") from None
+    encoder = load_auto_model(name_or_path, dtype, "--text-model", TextError)
+    import transformers
+
     try:
         # False, not None: with None, transformers asks on standard input whether to run
         # a folder's own code (auto_map), and runs it on "y".
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             name_or_path, trust_remote_code=False
-        )
-        encoder = transformers.AutoModel.from_pretrained(
-            name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
         )
     except Exception as error:  # transformers raises many types; the user needs one line
         raise TextError(f"cannot load --text-model {name_or_path!r}: {first_line(error)}") from None
@@ -265,13 +261,7 @@ class ImageTextModel(nn.Module):
         columns: Sequence[tuple[torch.Tensor, torch.Tensor]],
         keys: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        ((input_ids, attention_mask),) = columns
-        image_keys, text_keys = keys if keys is not None else (None, None)
-        with sample_randomness(image_keys) if keys is not None else contextlib.nullcontext():
-            image = self.image(images)
-        with sample_randomness(text_keys) if keys is not None else contextlib.nullcontext():
-            text = self.text(input_ids, attention_mask)
-        return torch.cat([image, text])
+        return image_text_forward(self.image, self.text, images, columns, keys)
 
     def save_pretrained(self, directory: str) -> None:
         """``model.safetensors`` (both towers, the projections, the scale and bias), the
@@ -290,6 +280,25 @@ class ImageTextModel(nn.Module):
                                   "adapter": adapter if is_adapted(self.image.encoder.encoder)
                                   else None}  # fmt: skip
         save_towers(self, directory, [self.text], tokenizers, described)
+
+
+def image_text_forward(
+    image: Callable[[torch.Tensor], torch.Tensor],
+    text: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    images: torch.Tensor,
+    columns: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The images' projections through ``image``, then the caption column's through
+    ``text``, each side's dropout keyed by its ``keys`` entry: the forward of
+    ``ImageTextModel`` and of ``models.dual_encoder.DualEncoder``."""
+    ((input_ids, attention_mask),) = columns
+    image_keys, text_keys = keys if keys is not None else (None, None)
+    with sample_randomness(image_keys) if keys is not None else contextlib.nullcontext():
+        image_rows = image(images)
+    with sample_randomness(text_keys) if keys is not None else contextlib.nullcontext():
+        text_rows = text(input_ids, attention_mask)
+    return torch.cat([image_rows, text_rows])
 
 
 def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: dict) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
-from models.loading import first_line
+from models.loading import first_line, load_auto_model
 from models.lora import is_adapted, save_adapted
 
 #: ``pooled``: the model's own pooled output (CLIP's and DINOv2's layer-normed class
@@ -39,18 +39,7 @@ def load_vision_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
     safetensors only and without remote code. Raises ``VisionError`` for a missing
     ``transformers``, an unloadable model, a dual encoder (``--clip-model`` loads
     those) or a model that takes no ``pixel_values``."""
-    try:
-        import transformers
-    except ImportError:
-        raise VisionError("--image-model needs transformers: pip install -e '.[text]'") from None
-    try:
-        encoder = transformers.AutoModel.from_pretrained(
-            name_or_path, use_safetensors=True, trust_remote_code=False, dtype=dtype
-        )
-    except Exception as error:  # transformers raises many types; the user needs one line
-        raise VisionError(
-            f"cannot load --image-model {name_or_path!r}: {first_line(error)}"
-        ) from None
+    encoder = load_auto_model(name_or_path, dtype, "--image-model", VisionError)
     if hasattr(encoder, "get_text_features"):
         raise VisionError(
             f"--image-model {name_or_path!r} is a dual encoder ({type(encoder).__name__}): "
@@ -61,6 +50,8 @@ def load_vision_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
             f"--image-model {name_or_path!r} ({type(encoder).__name__}) takes no pixel_values: "
             "it is not a vision model"
         )
+    import transformers
+
     try:
         processor = transformers.AutoImageProcessor.from_pretrained(
             name_or_path, trust_remote_code=False

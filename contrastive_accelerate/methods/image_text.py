@@ -217,7 +217,7 @@ def pretrained_image_model(
     if reason := unreachable_reason(name, "models"):
         raise TrainerError(f"cannot load --image-model {name!r}: {reason}")
     encoder, processor = load_vision_encoder(name, dtype)
-    digests = {"weights": weights_digest(encoder)}
+    digests = {"weights": weights_digest(encoder)}  # before adapters rename its weights
     encoder = adapted(encoder, config, "image", "--image-model")
     size = config.image_size or processor_image_size(processor)
     tower = VisionTower(encoder, config.image_pooling, processor.image_mean, processor.image_std)
@@ -233,13 +233,7 @@ def pretrained_image_model(
         ) from None
     model = tower_dropout(model.train(), probe, config, world_size, say)
     freeze_unreached(model, probe, say)
-    processor_values = {key: value for key, value in processor.to_dict().items()
-                        if not key.startswith("_")}  # fmt: skip
-    digests = {
-        "weights": weights_digest(encoder),
-        "processor": content_digest({}, processor_values),
-    }
-    return model, size, digests
+    return model, size, {**digests, "processor": processor_digest(processor)}
 
 
 def dual_encoder(config, world_size: int, say: Say) -> tuple[nn.Module, int, dict]:
@@ -253,10 +247,8 @@ def dual_encoder(config, world_size: int, say: Say) -> tuple[nn.Module, int, dic
     if reason := unreachable_reason(name, "models"):
         raise TrainerError(f"cannot load --clip-model {name!r}: {reason}")
     model, tokenizer, processor = load_dual_encoder(name, dtype)
-    processor_values = {key: value for key, value in processor.to_dict().items()
-                        if not key.startswith("_")}  # fmt: skip
     digests = {**text_model_digests(model, tokenizer),  # its weights, its tokenizer
-               "processor": content_digest({}, processor_values)}  # fmt: skip
+               "processor": processor_digest(processor)}  # fmt: skip
     projections = tuple(n for n in ("visual_projection", "text_projection") if hasattr(model, n))
     towers = dict(zip(("image", "text"), TOWERS, strict=True))
     model = adapted(model, config, "both", "--clip-model", towers=towers, also_trained=projections)
@@ -276,6 +268,12 @@ def dual_encoder(config, world_size: int, say: Say) -> tuple[nn.Module, int, dic
         ) from None
     clip = tower_dropout(clip.train(), probe, config, world_size, say)
     return clip, size, {"clip_model": digests}
+
+
+def processor_digest(processor) -> str:
+    """The digest of an image processor's settings (its private keys left out)."""
+    values = {key: value for key, value in processor.to_dict().items() if not key.startswith("_")}
+    return content_digest({}, values)
 
 
 def clip_loss(config, model: nn.Module) -> str:
