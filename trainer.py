@@ -37,6 +37,7 @@ from contrastive_accelerate.options import TrainConfig, check_data, check_launch
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
 from contrastive_accelerate.run_directory import RunDirectory
+from contrastive_accelerate.sharding import consolidated, is_sharded, shard_model
 
 
 @dataclass
@@ -109,6 +110,9 @@ def _train(
     )
     if config.augmentation_seeding == "per-process":
         set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
+    # --fsdp: weights, gradients and optimizer state sharded over the processes (FSDP2),
+    # in place; the template is the same model without weights, to consolidate it into.
+    template = shard_model(method.model, accelerator.mixed_precision) if config.fsdp else None
     optimizer = make_optimizer(
         config.optimizer,
         method.model.parameters(),
@@ -116,7 +120,10 @@ def _train(
         momentum=config.momentum,
         weight_decay=config.weight_decay,
     )
-    model, optimizer = accelerator.prepare(method.model, optimizer)
+    if template is None:
+        model, optimizer = accelerator.prepare(method.model, optimizer)  # DDP
+    else:
+        model, optimizer = method.model, accelerator.prepare(optimizer)
     learning_rate = warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model, optimizer and method state; the step gives the data position and the lr.
@@ -134,11 +141,12 @@ def _train(
     if data.evaluation is not None and data.image_column is not None:
         knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column,
                        config.image_size, config.skip_bad_images)  # fmt: skip
-    # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher).
-    evaluated = method.evaluated_encoder()
+    # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher);
+    # under --fsdp, consolidated whole on every rank for each evaluation.
+    evaluated = partial(_evaluated_encoder, method, model, template)
     metrics: dict[str, float] = {}
     if step == 0 and knn is not None:
-        metrics["knn_top1_init"] = _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
+        metrics["knn_top1_init"] = _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
     # Non-finite losses and problems found without a collective: raised at logging and saving.
     checks = StepChecks(accelerator.device)
     save = partial(_save, accelerator, run, model, optimizer, method, state, checks)
@@ -212,13 +220,18 @@ def _train(
                         last_checkpoint, saved_step = save(step), step
                     if knn is not None and config.eval_every and step % config.eval_every == 0:
                         if step < total_steps:
-                            _evaluate(accelerator, evaluated, knn, config.knn_k, run, step)
+                            _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
                     if step == total_steps:
                         break
 
         # Save, then evaluate: a failing evaluation never loses the trained model, and a
         # signal during either leaves a checkpoint of the last step to finish from.
-        unwrapped = accelerator.unwrap_model(model)
+        # The trained model, whole (under --fsdp consolidated on every rank), which the
+        # method evaluates from here on.
+        if template is None:
+            unwrapped = accelerator.unwrap_model(model)
+        else:
+            unwrapped = method.model = consolidated(model, template)
         if not preempted:
             final = on_main_process(
                 run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
@@ -226,9 +239,9 @@ def _train(
             evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
             if knn is not None:
                 evaluations[:0] = [
-                    lambda: {"knn_top1": _evaluate(accelerator, evaluated, knn, config.knn_k,
+                    lambda: {"knn_top1": _evaluate(accelerator, evaluated(), knn, config.knn_k,
                                                    run, step)},
-                    partial(_baselines_and_probe, accelerator, evaluated, knn, config, run, step),
+                    lambda: _baselines_and_probe(accelerator, evaluated(), knn, config, run, step),
                 ]  # fmt: skip
             for evaluate in evaluations:
                 if any_rank(signals.requested is not None)[0]:
@@ -285,8 +298,11 @@ def _log(accelerator, run, progress, step, loss, lr, epoch, samples_per_s) -> di
 
 
 def _save(accelerator, run, model, optimizer, method, state, checks, step: int) -> str:
-    """A checkpoint, written by the main process: every rank holds the same states."""
+    """A checkpoint, written by the main process (every rank holds the same states), or
+    under --fsdp by every rank, each its shards."""
     checks.raise_if_any()  # never a checkpoint of a model that a non-finite loss trained
+    if is_sharded(model):
+        return run.save_sharded_checkpoint(step, model, optimizer, state, method.state_dict())
     return on_main_process(
         run.save_checkpoint,
         step,
@@ -314,6 +330,14 @@ def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -
         accelerator.print(f"resume: applying {entry}")
     accelerator.print(f"resumed from {path} at step {checkpoint.step}")
     return checkpoint.step
+
+
+def _evaluated_encoder(method, model, template) -> torch.nn.Module:
+    """The method's evaluated encoder; while ``model`` is sharded, its weights are first
+    consolidated into ``template`` (every rank, each evaluation)."""
+    if template is not None and method.model is model:
+        return consolidated(model, template)
+    return method.evaluated_encoder()
 
 
 def _evaluate(accelerator, encoder, knn: KnnData, k: int, run: RunDirectory, step: int) -> float:

@@ -24,8 +24,6 @@ one is never picked by ``latest_checkpoint``.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import re
@@ -36,9 +34,19 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
+from contrastive_accelerate import checkpoint_shards as shards
+from contrastive_accelerate.collectives import rank_and_world_size
 from contrastive_accelerate.config import flag
+from contrastive_accelerate.durable_files import (
+    error_reason,
+    fsync_directory,
+    write_json,
+    write_tensors,
+)
+from contrastive_accelerate.ranks import exchange
 
 FORMAT = "contrastive-accelerate-checkpoint/1"
 MODEL_FILE, OPTIMIZER_FILE, METHOD_FILE, STATE_FILE = (
@@ -75,22 +83,12 @@ class Checkpoint:
     step: int
     config: dict[str, Any]
     train_samples: int
-    model_state: dict[str, torch.Tensor]
-    optimizer_tensors: dict[str, torch.Tensor]
+    #: Read whole, or lazily from a sharded checkpoint (``checkpoint_shards.ShardedTensors``).
+    model_state: Mapping[str, torch.Tensor]
+    optimizer_tensors: Mapping[str, torch.Tensor]
     optimizer_values: dict[str, Any]
     method_state: dict[str, torch.Tensor]  # empty for a method without state
     inputs: dict[str, dict[str, str]]  # empty in a checkpoint older than the digests
-
-
-def content_digest(tensors: Mapping[str, torch.Tensor], values: Any = None) -> str:
-    """The SHA-256 of named tensors (name, dtype, shape and bytes, in name order) and of
-    JSON ``values``: what a loaded model or tokenizer is, whatever path it came from."""
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode())
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -137,44 +135,127 @@ def save_checkpoint(
     On a write error (disk full, permissions) the partial directory is removed and
     ``CheckpointError`` names the path; earlier checkpoints are untouched.
     """
-    final = os.path.join(output_dir, f"checkpoint-{step}")
-    partial = os.path.join(output_dir, f".checkpoint-{step}.partial")
-    optimizer_tensors, optimizer_values = _flatten_optimizer_state(optimizer.state_dict())
-    trainer_state = {
-        "format": FORMAT,
-        "step": step,
-        "world_size": state.world_size,
-        "train_samples": state.train_samples,
-        "config": state.config,
-        "optimizer": optimizer_values,
-        "inputs": state.inputs,
-    }
+    final, partial = _checkpoint_paths(output_dir, step)
+    optimizer_tensors, optimizer_values = flatten_optimizer_state(optimizer.state_dict())
     try:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        _write_tensors(os.path.join(partial, MODEL_FILE), trained_state(model))
-        _write_tensors(os.path.join(partial, OPTIMIZER_FILE), optimizer_tensors)
-        if method_state:
-            _write_tensors(os.path.join(partial, METHOD_FILE), method_state)
-        _write_json(os.path.join(partial, STATE_FILE), trainer_state)
-        _fsync_directory(partial)
-        replaced = None
-        if os.path.exists(final):  # the same step saved again (e.g. a resumed run)
-            replaced = os.path.join(output_dir, f".checkpoint-{step}.replaced")
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(final, replaced)
-        os.replace(partial, final)
-        _fsync_directory(output_dir)
-        if replaced:
-            shutil.rmtree(replaced, ignore_errors=True)
+        write_tensors(os.path.join(partial, MODEL_FILE), trained_state(model))
+        write_tensors(os.path.join(partial, OPTIMIZER_FILE), optimizer_tensors)
+        _commit(output_dir, step, partial, state, optimizer_values, method_state)
     except (OSError, SafetensorError) as error:
-        shutil.rmtree(partial, ignore_errors=True)
-        previous = latest_checkpoint(output_dir)
-        kept = f"; the last complete checkpoint is {previous}" if previous else ""
-        raise CheckpointError(
-            f"cannot write checkpoint {final}: {error_reason(error)}{kept}"
-        ) from None
+        _abandon(output_dir, final, partial, error)
     return final
+
+
+def save_sharded_checkpoint(
+    output_dir: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: RunState,
+    method_state: dict[str, torch.Tensor] | None = None,
+) -> str:
+    """Write ``checkpoint-<step>`` of a sharded model (``--fsdp``) atomically; every rank
+    calls it and writes its own shards (``contrastive_accelerate.checkpoint_shards``),
+    then rank 0 the layout, the method state and ``trainer_state.json``, last. A write
+    error on any rank removes the partial directory and raises ``CheckpointError`` on
+    every rank; earlier checkpoints are untouched."""
+    rank, world_size = rank_and_world_size()
+    final, partial = _checkpoint_paths(output_dir, step)
+    optimizer_tensors, optimizer_values = flatten_optimizer_state(optimizer.state_dict())
+    parts = {"model": trained_state(model), "optimizer": optimizer_tensors}
+
+    def agree(problem: Exception | None, written: dict[str, str] | None = None) -> dict:
+        """Every rank's shards (name: digest); a problem on any rank abandons the save."""
+        failed, reports = exchange(problem and error_reason(problem), written or {})
+        if failed is not None:
+            if rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(_cannot_write(output_dir, final, failed))
+        return {name: digest for shards_ in reports for name, digest in shards_.items()}
+
+    problem = None
+    if rank == 0:
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        except OSError as error:
+            problem = error
+    agree(problem)  # the directory exists before any rank writes into it
+    layouts, written = {}, {}
+    try:
+        for part, tensors in parts.items():
+            local, layouts[part] = shards.split_local(tensors, rank)
+            name = shards.shard_file(part, rank, world_size)
+            written[name] = write_tensors(os.path.join(partial, name), local)
+    except (OSError, SafetensorError) as error:
+        problem = error
+    files = agree(problem, written)
+    if rank == 0:
+        try:
+            document = shards.layout_document(world_size, files, layouts)
+            write_json(os.path.join(partial, shards.SHARDS_FILE), document)
+            _commit(output_dir, step, partial, state, optimizer_values, method_state)
+        except (OSError, SafetensorError) as error:
+            problem = error
+    agree(problem)
+    return final
+
+
+def _checkpoint_paths(output_dir: str, step: int) -> tuple[str, str]:
+    return (
+        os.path.join(output_dir, f"checkpoint-{step}"),
+        os.path.join(output_dir, f".checkpoint-{step}.partial"),
+    )
+
+
+def _commit(
+    output_dir: str,
+    step: int,
+    partial: str,
+    state: RunState,
+    optimizer_values: dict,
+    method_state: dict[str, torch.Tensor] | None,
+) -> None:
+    """Finish ``partial`` (the method state, then ``trainer_state.json``) and rename it
+    into place, replacing a checkpoint of the same step."""
+    if method_state:
+        write_tensors(os.path.join(partial, METHOD_FILE), method_state)
+    write_json(
+        os.path.join(partial, STATE_FILE),
+        {
+            "format": FORMAT,
+            "step": step,
+            "world_size": state.world_size,
+            "train_samples": state.train_samples,
+            "config": state.config,
+            "optimizer": optimizer_values,
+            "inputs": state.inputs,
+        },
+    )
+    fsync_directory(partial)
+    final = _checkpoint_paths(output_dir, step)[0]
+    replaced = None
+    if os.path.exists(final):  # the same step saved again (e.g. a resumed run)
+        replaced = os.path.join(output_dir, f".checkpoint-{step}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(partial, final)
+    fsync_directory(output_dir)
+    if replaced:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _abandon(output_dir: str, final: str, partial: str, error: Exception) -> None:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise CheckpointError(_cannot_write(output_dir, final, error_reason(error))) from None
+
+
+def _cannot_write(output_dir: str, final: str, reason: str) -> str:
+    previous = latest_checkpoint(output_dir)
+    kept = f"; the last complete checkpoint is {previous}" if previous else ""
+    return f"cannot write checkpoint {final}: {reason}{kept}"
 
 
 def save_final_model(
@@ -188,8 +269,8 @@ def save_final_model(
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial)
         if method_state:
-            _write_tensors(os.path.join(partial, METHOD_FILE), method_state)
-        _fsync_directory(partial)
+            write_tensors(os.path.join(partial, METHOD_FILE), method_state)
+        fsync_directory(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
     except (OSError, SafetensorError) as error:
@@ -205,13 +286,25 @@ def load_checkpoint(path: str) -> Checkpoint:
     if not os.path.isdir(path):
         raise CheckpointError(f"--resume-from {path!r}: no such checkpoint directory")
     state = _read_state(path)
+    if shards.is_sharded_checkpoint(path):  # read lazily: each rank reads the rows it needs
+        try:
+            world_size, layouts = shards.read_layout(path)
+        except shards.ShardError as error:
+            raise CheckpointError(f"{path!r}: {error}") from None
+        model_state = shards.ShardedTensors(path, "model", world_size, layouts["model"])
+        optimizer_tensors = shards.ShardedTensors(
+            path, "optimizer", world_size, layouts["optimizer"]
+        )
+    else:
+        model_state = _read_tensors(path, MODEL_FILE)
+        optimizer_tensors = _read_tensors(path, OPTIMIZER_FILE)
     return Checkpoint(
         path=path,
         step=state["step"],
         config=state["config"],
         train_samples=state["train_samples"],
-        model_state=_read_tensors(path, MODEL_FILE),
-        optimizer_tensors=_read_tensors(path, OPTIMIZER_FILE),
+        model_state=model_state,
+        optimizer_tensors=optimizer_tensors,
         optimizer_values=state["optimizer"],
         method_state=(
             _read_tensors(path, METHOD_FILE)
@@ -287,11 +380,16 @@ def load_model_state(model: torch.nn.Module, checkpoint: Checkpoint) -> None:
     try:
         if missing:
             raise RuntimeError(f"Missing key(s) in state_dict: {', '.join(sorted(missing)[:5])}")
+        if any(isinstance(t, DTensor) for t in model.state_dict().values()):
+            shards.load_local_state(model, checkpoint.model_state)
+            return
         incompatible = model.load_state_dict(checkpoint.model_state, strict=False)
         if incompatible.unexpected_keys:
             raise RuntimeError(
                 f"Unexpected key(s) in state_dict: {', '.join(incompatible.unexpected_keys[:5])}"
             )
+    except shards.ShardError as error:
+        raise CheckpointError(f"{checkpoint.path!r}: {error}") from None
     except RuntimeError as error:
         detail = " ".join(str(error).split())[:300]
         raise CheckpointError(
@@ -315,16 +413,21 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: Checkpoin
             f"{checkpoint.path!r}: the optimizer state does not match this model's parameters"
         )
     state: dict[int, dict[str, Any]] = {}
-    for key, tensor in checkpoint.optimizer_tensors.items():
+    stored = checkpoint.optimizer_tensors
+    for key in stored:
         parts = key.split(".")
         if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
             raise CheckpointError(f"{checkpoint.path!r}: unexpected optimizer tensor {key!r}")
         index, name = int(parts[1]), parts[2]
-        if index >= len(params) or (tensor.dim() and tensor.shape != params[index].shape):
+        shape = shards.stored_shape(stored, key)
+        if index >= len(params) or (len(shape) and shape != params[index].shape):
             raise CheckpointError(
                 f"{checkpoint.path!r}: optimizer tensor {key!r} does not match parameter {index}"
             )
-        state.setdefault(index, {})[name] = tensor
+        try:
+            state.setdefault(index, {})[name] = shards.stored_like(stored, key, params[index])
+        except shards.ShardError as error:
+            raise CheckpointError(f"{checkpoint.path!r}: {error}") from None
     values = checkpoint.optimizer_values.get("state", {})
     if not isinstance(values, dict):
         raise CheckpointError(f"{checkpoint.path!r}: malformed optimizer state")
@@ -394,7 +497,7 @@ def resume(
     return checkpoint, changed
 
 
-def _flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+def flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Split ``optimizer.state_dict()`` into safetensors-ready tensors and JSON values."""
     tensors, values = {}, {}
     for index, entries in state_dict["state"].items():
@@ -410,43 +513,3 @@ def _flatten_optimizer_state(state_dict: dict) -> tuple[dict[str, torch.Tensor],
         for group in state_dict["param_groups"]
     ]
     return tensors, {"param_groups": groups, "state": values}
-
-
-def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    # Copies: safetensors refuses tensors that share memory or are not contiguous.
-    save_file({name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}, path)
-    _fsync_file(path)
-
-
-def _write_json(path: str, value: dict) -> None:
-    with open(path, "w") as file:
-        json.dump(value, file, indent=2)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_file(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _fsync_directory(path: str) -> None:
-    # A renamed entry survives a power cut only once its directory is synced too.
-    try:
-        _fsync_file(path)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EBADF, errno.EISDIR):  # not on every FS
-            raise
-
-
-def error_reason(error: Exception) -> str:
-    """An OS or safetensors error in the OS's own words, one line."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    text = str(error).strip() or type(error).__name__
-    # safetensors wraps the OS's words: "... I/O error: File too large (os error 27)"
-    os_error = re.search(r"I/O error: (.*?) \(os error \d+\)", text)
-    return os_error.group(1) if os_error else text.splitlines()[0]

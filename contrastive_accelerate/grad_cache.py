@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from contrastive_accelerate.compat import BatchNormBase
+from contrastive_accelerate.sharding import gradient_sync_deferred, is_sharded
 
 
 def cached_backward(
@@ -43,7 +44,8 @@ def cached_backward(
     list of every chunk's embeddings. Parameters that ``loss_fn`` uses directly (a
     learnable temperature) must be parameters of ``model``. With a DDP-wrapped ``model``
     the first K-1 backward passes run under ``no_sync``: one gradient all-reduce per
-    call. Pass ``backward=accelerator.backward`` for Accelerate's loss scaling. Each
+    call; with an FSDP2 (``fully_shard``) ``model``, one reduce-scatter. Pass
+    ``backward=accelerator.backward`` for Accelerate's loss scaling. Each
     chunk's forward must replay the first pass: key dropout by sample
     (``models.sample_randomness``) inside ``forward``. With one chunk this is a plain
     forward and backward. Example, in an Accelerate loop::
@@ -76,16 +78,22 @@ def cached_backward(
     direct = [(p, g) for p, g in zip(parameters, parameter_gradients, strict=True) if g is not None]
     # 3. Re-embed each chunk with a graph and backpropagate its cached gradient; the
     #    parameters' direct terms ride with the last chunk, whose backward DDP synchronises.
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     with frozen_batchnorm_statistics(model):
         for index, (chunk, gradient) in enumerate(zip(chunks, chunk_gradients, strict=True)):
             last = index == len(chunks) - 1
-            with contextlib.nullcontext() if last else no_sync():
+            with contextlib.nullcontext() if last else _sync_deferred(model):
                 surrogate = (forward(chunk) * gradient).sum()
                 if last:
                     surrogate = surrogate + sum((p * g).sum() for p, g in direct)
                 backward(surrogate)
     return loss.detach()
+
+
+def _sync_deferred(model: nn.Module) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync``, its FSDP2 equivalent (``--fsdp``), or nothing to defer."""
+    if is_sharded(model):
+        return gradient_sync_deferred(model)
+    return getattr(model, "no_sync", contextlib.nullcontext)()
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 
 from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
 from contrastive_accelerate.config import ConfigError, flag, is_set, option, validate
@@ -37,6 +37,8 @@ from models.text import POOLINGS
 from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
+#: The methods that ``--fsdp`` does not shard yet: their EMA teacher is a replica.
+FSDP_NOT_YET = ("moco", "byol", "dino")
 
 
 @dataclass
@@ -196,6 +198,11 @@ class TrainConfig:
         "recompute each block in backward: resnets, vits, transformers towers",
         resume="apply",
     )
+    fsdp: bool = option(
+        False,
+        "shard weights, gradients and optimizer state over the processes (FSDP2)",
+        resume="apply",
+    )
     epochs: int = option(45, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
     drop_last: bool = option(False, "drop each epoch's short last batch")
@@ -278,6 +285,13 @@ class TrainConfig:
                 "--gradient-checkpointing applies to the resnets, the vits and transformers "
                 "towers, not mlp"
             )
+        if self.fsdp and method in FSDP_NOT_YET:
+            raise ConfigError(
+                f"--fsdp does not shard --method {method}'s EMA teacher yet; it shards simclr, "
+                "pairs and image-text"
+            )
+        if self.fsdp and self.lora_rank:
+            raise ConfigError("--fsdp with LoRA adapters (--lora-rank) is not supported yet")
         if self.drop_path and self.model not in VIT_SIZES:
             raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):
@@ -339,6 +353,19 @@ def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator:
             f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
             f"({accelerator.distributed_type}): each process would train alone"
         )
+    if accelerator.distributed_type == DistributedType.FSDP or os.environ.get(
+        "ACCELERATE_USE_FSDP", ""
+    ).lower() in ("1", "true", "yes"):
+        raise TrainerError(
+            "Accelerate's FSDP configuration (--use_fsdp, an FSDP config file) is not used by "
+            "the trainer: launch without it and pass --fsdp, which shards with FSDP2 the same "
+            "way on every backend"
+        )
+    if config.fsdp and world_size == 1:
+        raise TrainerError(
+            "--fsdp shards over the processes: launch 2 or more, or leave it out (one "
+            "process holds the whole model)"
+        )
     if accelerator.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
         raise TrainerError(
             f"{accelerator.distributed_type} is not supported: the trainer keeps a full "
@@ -362,6 +389,8 @@ def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator:
             "--mixed_precision fp16 needs a GPU: on the CPU Accelerate would silently train in "
             "float32; use --mixed_precision bf16"
         )
+    if config.fsdp and precision == "fp16":
+        raise TrainerError("--fsdp with --mixed_precision fp16 is not supported; use bf16")
     if config.dtype == "float64" and precision != "no":
         raise TrainerError("--dtype float64 cannot be combined with mixed precision")
     if config.batch_size % world_size:

@@ -95,6 +95,18 @@ def raise_together(error: Exception | None) -> None:
             raise kind(text)
 
 
+def exchange(problem: str | None, value: Any = None) -> tuple[str | None, list[Any]]:
+    """Every rank's ``value`` (small, picklable) in rank order, once every rank has reached
+    this call, and the lowest rank's ``problem`` (one line) if any rank has one: for the
+    steps that every rank takes in turn, such as writing its shards of a checkpoint."""
+    reports = [(problem, value)]
+    if is_distributed():
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (problem, value))
+    failed = next((report for report, _ in reports if report is not None), None)
+    return failed, [value for _, value in reports]
+
+
 def on_main_process(fn: Callable[..., T], *args: Any, errors: tuple[type[Exception], ...]) -> T:
     """``fn(*args)`` on the main process only; its ``errors`` are raised on every rank, and
     every rank receives its result (a small picklable value)."""

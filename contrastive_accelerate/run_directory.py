@@ -9,6 +9,7 @@ import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from contrastive_accelerate.checkpoint import (
     FINAL_DIR,
@@ -17,10 +18,11 @@ from contrastive_accelerate.checkpoint import (
     CheckpointError,
     RunState,
     complete_checkpoints,
-    error_reason,
     save_checkpoint,
     save_final_model,
+    save_sharded_checkpoint,
 )
+from contrastive_accelerate.durable_files import error_reason
 
 
 class RunDirectory:
@@ -52,6 +54,21 @@ class RunDirectory:
         """``checkpoint-<step>``, written atomically; older ones pruned to ``keep``."""
         path = save_checkpoint(self.path, step, model, optimizer, state, method_state)
         if self.keep:
+            self.prune(self.keep)
+        return path
+
+    def save_sharded_checkpoint(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: RunState,
+        method_state: dict[str, torch.Tensor] | None = None,
+    ) -> str:
+        """``checkpoint-<step>`` of a sharded model: every rank calls it and writes its
+        shards; the main process prunes older ones to ``keep``."""
+        path = save_sharded_checkpoint(self.path, step, model, optimizer, state, method_state)
+        if self.keep and (not dist.is_initialized() or dist.get_rank() == 0):
             self.prune(self.keep)
         return path
 

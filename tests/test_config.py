@@ -122,7 +122,7 @@ def test_every_field_is_settable_from_the_command_line(field):
 def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
     # its own options (DINO's local crops a resnet or a vit): every field is in one of three files.
-    vit = ("drop_path", "gradient_checkpointing")  # in the vit's file only
+    vit = ("drop_path", "gradient_checkpointing", "fsdp")  # in the vit's file only
     shared = {n: v for n, v in VALUES.items() if n not in ("method", *vit, *METHOD_OPTIONS)}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}

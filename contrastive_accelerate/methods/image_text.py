@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contrastive_accelerate.checkpoint import content_digest
 from contrastive_accelerate.data import evaluation_images
 from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, PairData
+from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.knn import KnnData, zero_shot_top1
 from contrastive_accelerate.launch import TrainerError

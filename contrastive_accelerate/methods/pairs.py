@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from contrastive_accelerate.checkpoint import content_digest
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
+from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (

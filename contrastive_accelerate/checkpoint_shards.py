@@ -1,0 +1,254 @@
+"""Sharded checkpoints (``--fsdp``): each rank writes the rows it holds, and any number
+of processes reads them back, nothing pickled.
+
+A sharded ``checkpoint-<step>/`` holds, besides ``trainer_state.json`` (written last)
+and ``method.safetensors``:
+
+- ``model-<r>-of-<W>.safetensors`` and ``optimizer-<r>-of-<W>.safetensors``: rank r's
+  rows of each sharded tensor (``contrastive_accelerate.sharding.shard_rows``), and in
+  rank 0's files the tensors that every rank holds whole (buffers, a logit scale,
+  Adam's step count);
+- ``shards.json``: the layout, in JSON: each tensor's shape and each rank's rows (or
+  ``null``: whole, in rank 0's file), and each shard file's content digest, which the
+  file carries in its safetensors metadata too.
+
+A reader checks, from the headers alone, that every listed shard is there, that no
+other shard file is, and that each carries the digest the layout lists: a shard of
+another step or run is refused. It then reads only the rows each tensor needs on this
+rank (``ShardedTensors.rows``), so a checkpoint written by W processes resumes on any
+number: the rows are the same numbers, re-split.
+
+torch's distributed checkpoint (DCP) writes its ``.metadata`` with pickle: it is not
+used, and a ``.metadata`` file found in a checkpoint is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch.distributed.tensor import DTensor
+
+from contrastive_accelerate.sharding import local_rows, shard_rows
+
+SHARDS_FILE = "shards.json"
+SHARDS_FORMAT = "contrastive-accelerate-shards/1"
+PARTS = ("model", "optimizer")
+_SHARD = re.compile(r"(model|optimizer)-(\d{5})-of-(\d{5})\.safetensors")
+
+
+class ShardError(ValueError):
+    """A sharded checkpoint that cannot be read whole: one line naming the problem."""
+
+
+def shard_file(part: str, rank: int, world_size: int) -> str:
+    return f"{part}-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def split_local(
+    tensors: Mapping[str, torch.Tensor], rank: int
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """This rank's share of ``tensors`` (a sharded tensor's local rows; the whole of the
+    others on rank 0 only) and the layout of all of them."""
+    local, layout = {}, {}
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            rows = shard_rows(tensor.shape[0], tensor.device_mesh.size())
+            local_rows(tensor)  # checks this rank holds what the layout says
+            local[name] = tensor.to_local()
+            layout[name] = {"shape": list(tensor.shape), "rows": [list(r) for r in rows]}
+        else:
+            if rank == 0:
+                local[name] = tensor
+            layout[name] = {"shape": list(tensor.shape), "rows": None}
+    return local, layout
+
+
+def layout_document(world_size: int, files: dict[str, str], layouts: dict) -> dict:
+    """The contents of ``shards.json``: ``files`` maps each shard to its content digest,
+    ``layouts`` each part to ``split_local``'s layout."""
+    return {"format": SHARDS_FORMAT, "world_size": world_size, "files": files, "tensors": layouts}
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    return os.path.exists(os.path.join(path, SHARDS_FILE))
+
+
+def read_layout(path: str) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
+    """Check the shards of the checkpoint at ``path`` against its ``shards.json``; returns
+    the number of ranks that wrote it and each part's layout. Raises ``ShardError``."""
+    try:
+        with open(os.path.join(path, SHARDS_FILE)) as file:
+            layout = json.load(file)
+    except (OSError, ValueError) as error:
+        raise ShardError(f"unreadable {SHARDS_FILE}: {error}") from None
+    world_size = layout.get("world_size") if isinstance(layout, dict) else None
+    files, tensors = (
+        layout.get(k) if isinstance(layout, dict) else None for k in ("files", "tensors")
+    )
+    if (
+        layout.get("format") != SHARDS_FORMAT
+        or not isinstance(world_size, int)
+        or world_size < 1
+        or not isinstance(files, dict)
+        or not isinstance(tensors, dict)
+        or set(tensors) != set(PARTS)
+    ):
+        raise ShardError(f"malformed {SHARDS_FILE}")
+    expected = {shard_file(part, rank, world_size) for part in PARTS for rank in range(world_size)}
+    present = {name for name in os.listdir(path) if _SHARD.fullmatch(name)}
+    if set(files) != expected:
+        raise ShardError(f"{SHARDS_FILE} does not list the {world_size} ranks' shards")
+    if missing := sorted(expected - present):
+        raise ShardError(f"shard {missing[0]} is missing (written by {world_size} processes)")
+    if extra := sorted(present - expected):
+        raise ShardError(f"unexpected shard {extra[0]} (the checkpoint has {world_size} ranks)")
+    for name in sorted(expected):
+        try:
+            with safe_open(os.path.join(path, name), framework="pt") as shard:
+                digest = (shard.metadata() or {}).get("digest")
+        except (OSError, SafetensorError) as error:
+            raise ShardError(f"shard {name} is unreadable: {error}") from None
+        if digest != files[name]:
+            raise ShardError(
+                f"shard {name} belongs to another checkpoint (another step or run: content "
+                f"digest {str(digest)[:12]}, this checkpoint's is {str(files[name])[:12]})"
+            )
+    for part in PARTS:
+        for name, entry in tensors[part].items():
+            if not _valid_entry(entry, world_size):
+                raise ShardError(f"malformed {SHARDS_FILE} entry for {part} tensor {name!r}")
+    return world_size, tensors
+
+
+def _valid_entry(entry: Any, world_size: int) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list):
+        return False
+    shape, rows = entry["shape"], entry.get("rows")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        return False
+    return rows is None or (
+        len(shape) > 0 and rows == [list(r) for r in shard_rows(shape[0], world_size)]
+    )
+
+
+class ShardedTensors(Mapping[str, torch.Tensor]):
+    """One part (model or optimizer) of a sharded checkpoint, read lazily: ``[name]``
+    reads a tensor whole, ``rows(name, start, stop)`` only rows of it (from the shards
+    that hold them)."""
+
+    def __init__(self, path: str, part: str, world_size: int, layout: dict) -> None:
+        self.path, self.part, self.world_size, self.layout = path, part, world_size, layout
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.rows(name, 0, self.shape(name)[0] if self.shape(name) else None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self.layout[name]["shape"])
+
+    def rows(self, name: str, start: int, stop: int | None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` (a 0-dim tensor: ``stop`` None)."""
+        entry = self.layout[name]
+        if entry["rows"] is None:
+            whole = self._read(0, name, None)
+            return whole if stop is None else whole[start:stop]
+        pieces = [
+            self._read(rank, name, (max(start, first) - first, min(stop, last) - first))
+            for rank, (first, last) in enumerate(entry["rows"])
+            if max(start, first) < min(stop, last)
+        ]
+        if not pieces:
+            return torch.empty((0, *entry["shape"][1:]), dtype=self._dtype(name))
+        return torch.cat(pieces)
+
+    def _dtype(self, name: str) -> torch.dtype:
+        for rank in range(self.world_size):
+            with self._open(rank) as shard:
+                if name in shard.keys():
+                    return shard.get_slice(name)[0:0].dtype
+        return torch.float32
+
+    def _open(self, rank: int):
+        return safe_open(
+            os.path.join(self.path, shard_file(self.part, rank, self.world_size)), framework="pt"
+        )
+
+    def _read(self, rank: int, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        entry, file = self.layout[name], shard_file(self.part, rank, self.world_size)
+        expected = list(entry["shape"])
+        if entry["rows"] is not None:
+            first, last = entry["rows"][rank]
+            expected[0] = last - first
+        with self._open(rank) as shard:
+            if name not in shard.keys():
+                raise ShardError(f"{file} lacks {self.part} tensor {name!r}")
+            stored = shard.get_slice(name)
+            if list(stored.get_shape()) != expected:
+                raise ShardError(
+                    f"{file}: {self.part} tensor {name!r} has shape {stored.get_shape()}, "
+                    f"the layout says {expected}"
+                )
+            if rows is None:
+                return shard.get_tensor(name)
+            return stored[rows[0] : rows[1]]
+
+
+def stored_shape(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Size:
+    """A stored tensor's shape, without reading a sharded one."""
+    if isinstance(tensors, ShardedTensors):
+        return tensors.shape(name)
+    return tensors[name].shape
+
+
+def stored_rows(tensors: Mapping[str, torch.Tensor], name: str, start: int, stop: int):
+    """Rows ``[start, stop)`` of a stored tensor, reading only those of a sharded one."""
+    if isinstance(tensors, ShardedTensors):
+        return tensors.rows(name, start, stop)
+    return tensors[name][start:stop]
+
+
+@torch.no_grad()
+def load_local_state(model: torch.nn.Module, stored: Mapping[str, torch.Tensor]) -> None:
+    """``stored`` into ``model`` in place: this rank's rows of each sharded tensor, the
+    others whole. Raises ``RuntimeError`` as ``load_state_dict`` does."""
+    current = model.state_dict()
+    if unexpected := sorted(set(stored) - set(current)):
+        raise RuntimeError(f"Unexpected key(s) in state_dict: {', '.join(unexpected[:5])}")
+    for name in stored:
+        tensor = current[name]
+        if stored_shape(stored, name) != tensor.shape:
+            raise RuntimeError(
+                f"size mismatch for {name}: copying a param with shape "
+                f"{tuple(stored_shape(stored, name))}, the current model's is {tuple(tensor.shape)}"
+            )
+        if isinstance(tensor, DTensor):
+            tensor.to_local().copy_(stored_rows(stored, name, *local_rows(tensor)))
+        else:
+            tensor.copy_(stored[name])
+
+
+def stored_like(stored: Mapping[str, torch.Tensor], key: str, parameter: torch.Tensor):
+    """The stored optimizer tensor ``key`` of ``parameter``: sharded as the parameter
+    (this rank's rows only) when it is, else whole."""
+    if isinstance(parameter, DTensor) and len(stored_shape(stored, key)):
+        rows = stored_rows(stored, key, *local_rows(parameter))
+        return DTensor.from_local(
+            rows.to(parameter.device),
+            parameter.device_mesh,
+            parameter.placements,
+            run_check=False,
+            shape=parameter.shape,
+            stride=parameter.stride(),
+        )
+    return stored[key]

@@ -1,0 +1,71 @@
+"""Files that are complete once they exist: each flushed to disk before it counts, and
+their content digests; the checkpoints' writing blocks."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+
+def content_digest(tensors: Mapping[str, torch.Tensor], values: Any = None) -> str:
+    """The SHA-256 of named tensors (name, dtype, shape and bytes, in name order) and of
+    JSON ``values``: what a loaded model or tokenizer is, whatever path it came from."""
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors``, flushed to disk, with their content digest in the file's
+    metadata; returns the digest."""
+    # Copies: safetensors refuses tensors that share memory or are not contiguous.
+    copies = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
+    digest = content_digest(copies)
+    save_file(copies, path, metadata={"digest": digest})
+    fsync_file(path)
+    return digest
+
+
+def write_json(path: str, value: dict) -> None:
+    with open(path, "w") as file:
+        json.dump(value, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def fsync_file(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def fsync_directory(path: str) -> None:
+    # A renamed entry survives a power cut only once its directory is synced too.
+    try:
+        fsync_file(path)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.EISDIR):  # not on every FS
+            raise
+
+
+def error_reason(error: Exception) -> str:
+    """An OS or safetensors error in the OS's own words, one line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip() or type(error).__name__
+    # safetensors wraps the OS's words: "... I/O error: File too large (os error 27)"
+    os_error = re.search(r"I/O error: (.*?) \(os error \d+\)", text)
+    return os_error.group(1) if os_error else text.splitlines()[0]

@@ -1,0 +1,168 @@
+"""``--fsdp``: parameters, gradients and optimizer state sharded over the processes, with
+torch's FSDP2 (``torch.distributed.fsdp.fully_shard``), exactly as the replicas train.
+
+Why exactness survives sharding: each rank's loss is its share of the loss of the
+global batch (``contrastive_accelerate.collectives``), so the gradient that DDP's
+all-reduce averages is the single-process gradient; FSDP2's reduce-scatter averages
+the same per-rank gradients and leaves each rank the rows it owns. The gather of the
+embeddings does not care how the weights that made them are stored.
+
+- ``shard_model`` shards each block of the towers (a transformer layer, a ResNet
+  stage, a ViT block, each tower of a list), then the rest at the root; scalar
+  parameters (a learnable logit scale or bias), which FSDP2 cannot shard and the losses
+  read outside the forward, stay replicated and their gradients are averaged here.
+- ``gradient_sync_deferred``: FSDP2's ``no_sync``, for gradient caching's first K-1
+  chunks: one reduce-scatter per optimizer step.
+- ``consolidated``: the trained model as a plain module with its full weights, for the
+  evaluation and ``final/``.
+
+A sharded tensor is split along dim 0 as ``torch.chunk`` splits it: rank r holds rows
+``[r * c, min((r + 1) * c, n))`` of n, with ``c = ceil(n / W)`` (``local_rows``);
+checkpoints store those rows (``contrastive_accelerate.checkpoint_shards``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+#: What ``--mixed_precision`` computes in under ``--fsdp``; gradients are reduced in float32.
+PARAMETER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Layer containers whose entries are each one FSDP unit: torchvision's ViT encoder.
+_BLOCK_SEQUENCES = ("layers",)
+#: torchvision ResNet stages, each one FSDP unit.
+_RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``shard_model`` sharded ``model``."""
+    return isinstance(model, FSDPModule)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that ``shard_model`` shards each on its own, innermost first: every
+    entry of an ``nn.ModuleList`` (transformers' layers, a list of towers), every block
+    of torchvision's ViT encoder and every ResNet stage."""
+    found: dict[int, tuple[int, nn.Module]] = {}
+    for name, module in model.named_modules():
+        children: list[nn.Module] = []
+        if isinstance(module, nn.ModuleList):
+            children = list(module)
+        elif isinstance(module, nn.Sequential) and name.rsplit(".", 1)[-1] in _BLOCK_SEQUENCES:
+            children = list(module)
+        elif all(hasattr(module, stage) for stage in _RESNET_STAGES) and hasattr(module, "fc"):
+            children = [getattr(module, stage) for stage in _RESNET_STAGES]
+        depth = name.count(".") + 1 if name else 0
+        for child in children:
+            if any(p.requires_grad or p.dim() for p in child.parameters()):
+                found[id(child)] = (depth + 1, child)
+    return [module for _, module in sorted(found.values(), key=lambda entry: -entry[0])]
+
+
+def shard_model(model: nn.Module, mixed_precision: str = "no") -> nn.Module:
+    """Shard ``model`` in place over the default process group (FSDP2); returns its
+    template, the same module tree with parameters on the meta device, which
+    ``consolidated`` fills. Build the optimizer after this call: the parameters are
+    replaced by sharded ones.
+
+    ``mixed_precision`` (Accelerate's ``--mixed_precision``): bf16 or fp16 compute from
+    float32 parameters, gradients reduced in float32."""
+    # The template holds no weights: each parameter is copied as an empty meta tensor.
+    memo = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    template = copy.deepcopy(model, memo)
+    compute = PARAMETER_DTYPES.get(mixed_precision)
+    # Reduced in float32 under mixed precision; else in the parameters' own dtype (float64
+    # stays float64).
+    policy = MixedPrecisionPolicy(
+        param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None
+    )
+    replicated = {p for p in model.parameters() if p.dim() == 0}
+    for unit in shard_units(model):
+        fully_shard(unit, mp_policy=policy, ignored_params=replicated)
+    fully_shard(model, mp_policy=policy, ignored_params=replicated)
+    sync = _GradientSync()
+    _SYNC[model] = sync
+    world_size = dist.get_world_size()
+    for parameter in replicated:
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(
+                lambda p, sync=sync: sync.enabled and _average(p.grad, world_size)
+            )
+    return template
+
+
+class _GradientSync:
+    """Whether the replicated parameters' gradients are averaged on their next
+    accumulation (off under ``gradient_sync_deferred``)."""
+
+    enabled = True
+
+
+_SYNC: weakref.WeakKeyDictionary[nn.Module, _GradientSync] = weakref.WeakKeyDictionary()
+
+
+def _average(gradient: torch.Tensor, world_size: int) -> None:
+    gradient.div_(world_size)
+    dist.all_reduce(gradient)
+
+
+@contextlib.contextmanager
+def gradient_sync_deferred(model: nn.Module) -> Iterator[None]:
+    """Inside, backward accumulates this rank's gradients unreduced (DDP's ``no_sync``);
+    the first backward after it reduces everything accumulated."""
+    model.set_requires_gradient_sync(False)
+    _SYNC[model].enabled = False
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        _SYNC[model].enabled = True
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of dim 0 that this rank holds of a sharded tensor."""
+    if not isinstance(tensor, DTensor) or tuple(tensor.placements) != (Shard(0),):
+        raise ValueError("local_rows takes a tensor sharded along dim 0 over one mesh dimension")
+    rows, rank, world_size = (
+        tensor.shape[0],
+        tensor.device_mesh.get_local_rank(),
+        tensor.device_mesh.size(),
+    )
+    start, stop = shard_rows(rows, world_size)[rank]
+    if tensor.to_local().shape[0] != stop - start:
+        raise ValueError(f"rank {rank} holds {tensor.to_local().shape[0]} rows, not {stop - start}")
+    return start, stop
+
+
+def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """Each rank's rows ``[start, stop)`` of a dim of ``rows``, as ``torch.chunk`` splits
+    it (FSDP2's layout): ``ceil(rows / world_size)`` each, the last ones fewer or none."""
+    size = math.ceil(rows / world_size) if rows else 0
+    return [(min(rank * size, rows), min((rank + 1) * size, rows)) for rank in range(world_size)]
+
+
+@torch.no_grad()
+def consolidated(model: nn.Module, template: nn.Module) -> nn.Module:
+    """``template`` (from ``shard_model``) with ``model``'s current weights, whole, on
+    every rank: a plain module to evaluate and save. Every rank must call it; each
+    tensor is all-gathered in turn."""
+    state = {
+        # A copy each: an unevenly sharded tensor is gathered into a padded buffer.
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in model.state_dict().items()
+    }
+    template.load_state_dict(state, assign=True)
+    return template

@@ -1,0 +1,312 @@
+"""``--fsdp`` (FSDP2 on gloo CPU processes): sharded weights, gradients and optimizer
+state train the model that one unsharded process trains, checkpoints reshard on load,
+and what a sharded checkpoint holds is data only.
+
+float64 throughout: the world sizes differ only in summation order, so 1e-9 is a wide
+bound (the runs reach 1e-16 to 1e-13). The towers are the tiny BERT with a hard
+negative, image-text with the mlp (a learnable, replicated logit scale) or a ViT, and
+SimCLR's ResNet-18 with SyncBatchNorm; 3 processes leave a rank idle on each epoch's
+short last batch. Each mechanism has its control: the local negatives, gradients
+reduced on every chunk or never, a shard of another step, a pickled metadata file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from contrastive_accelerate.checkpoint import CheckpointError, load_checkpoint
+from contrastive_accelerate.workers import run_on_ranks
+
+from launch import TrainerRuns, final_files_difference, one_chunk, one_line_errors, train_pooled
+
+pytest.importorskip("transformers")
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+PAIRS = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-length", "8",
+         "--max-steps", "5", "--num-workers", "0",
+         "--columns", "anchor,positive,negative_1"]  # fmt: skip
+IMAGE_TEXT = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-steps", "5",
+              "--columns", "image,caption", "--image-size", "8", "--knn-k", "0",
+              "--num-workers", "0", "--max-length", "8"]  # fmt: skip
+RESNET = ["--dtype", "float64", "--model", "resnet18", "--batch-size", "12", "--max-steps", "2",
+          "--knn-k", "0", "--num-workers", "0", "--warmup-steps", "1", "--lr", "0.1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, sentence_pairs, tiny_bert):
+    return TrainerRuns(tmp_path_factory, *PAIRS, "--dataset", sentence_pairs,
+                       "--text-model", tiny_bert)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def image_text(tmp_path_factory, captioned_images, tiny_bert):
+    return TrainerRuns(tmp_path_factory, *IMAGE_TEXT, "--dataset", captioned_images,
+                       "--text-model", tiny_bert)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory):
+    return TrainerRuns(tmp_path_factory, *RESNET)
+
+
+@pytest.mark.parametrize(
+    "runs, flags, processes",
+    [
+        ("pairs", (), 2),
+        ("pairs", ("--accumulation-chunks", "3"), 3),
+        ("image_text", ("--model", "mlp", "--dropout", "0.1"), 2),
+        ("image_text", ("--model", "mlp", "--dropout", "0.1", "--accumulation-chunks", "3"), 3),
+        ("image_text", ("--image-model", "{vit}"), 2),
+        ("resnet", (), 2),
+    ],
+    ids=["pairs-W2", "pairs-W3-K3", "mlp-W2", "mlp-W3-K3", "vit-W2", "resnet18-syncbn-W2"],
+)
+def test_fsdp_on_n_processes_trains_what_one_process_trains(
+    request, tiny_vit, runs, flags, processes
+):
+    runs = request.getfixturevalue(runs)
+    flags = tuple(flag.format(vit=tiny_vit) for flag in flags)
+    reference = runs(1, *one_chunk(flags))
+    sharded = runs(processes, *flags, "--fsdp")
+    error = final_files_difference(reference, sharded)
+    print(f"--fsdp on {processes} processes {' '.join(flags)}: final/ within {error:.1e}")
+    assert error < EXACT
+
+
+def test_control_fsdp_with_local_negatives_trains_another_model(pairs):
+    """The gather is what makes it exact: without it, sharding changes nothing of that."""
+    error = final_files_difference(pairs(1), pairs(2, "--fsdp", "--no-gather"))
+    print(f"--fsdp --no-gather on 2 processes: final/ {error:.1e} from 1 process")
+    assert error > 1e-6
+
+
+def test_fsdp_checkpoints_resume_on_any_number_of_processes(image_text, tmp_path):
+    """A mid-epoch checkpoint of 2 sharded processes continues on 2 (exactly), on 3
+    sharded and on 1 unsharded (``--fsdp`` is a resume="apply" option)."""
+    flags = ("--model", "mlp", "--dropout", "0.1", "--save-every", "2")
+    straight = image_text(2, *flags, "--fsdp")
+    checkpoint = straight / "checkpoint-2"
+    names = sorted(path.name for path in checkpoint.iterdir())
+    assert "shards.json" in names and "model-00001-of-00002.safetensors" in names, names
+    for processes, fsdp, bound in [(2, ("--fsdp",), 0.0), (3, ("--fsdp",), EXACT), (1, (), EXACT)]:
+        output = tmp_path / f"resumed-{processes}"
+        shutil.copytree(straight, output, ignore=shutil.ignore_patterns("final"))
+        result = train_pooled(processes, *IMAGE_TEXT, *_image_text_data(image_text), *flags, *fsdp,
+                              "--resume-from", str(output / "checkpoint-2"),
+                              "--output-dir", str(output))  # fmt: skip
+        error = final_files_difference(straight, output)
+        print(f"2 -> {processes} processes {' '.join(fsdp)}: final/ {error:.1e} from straight")
+        assert error <= bound
+        if not fsdp:
+            assert "resume: applying --fsdp True -> False" in result.stdout
+
+
+def _image_text_data(runs: TrainerRuns) -> tuple[str, ...]:
+    common = list(runs.common_args)
+    return tuple(common[len(IMAGE_TEXT) :])
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoints(image_text, tmp_path_factory) -> tuple[Path, Path]:
+    """A copy of the 2-process sharded run's checkpoints 2 and 4 to spoil."""
+    straight = image_text(2, "--model", "mlp", "--dropout", "0.1", "--save-every", "2", "--fsdp")
+    copy = tmp_path_factory.mktemp("spoiled")
+    for step in (2, 4):
+        shutil.copytree(straight / f"checkpoint-{step}", copy / f"checkpoint-{step}")
+    return copy / "checkpoint-2", copy / "checkpoint-4"
+
+
+def _spoiled(source: Path, tmp_path: Path) -> Path:
+    target = tmp_path / source.name
+    shutil.copytree(source, target)
+    return target
+
+
+def test_a_sharded_checkpoint_loads_lazily_and_whole(sharded_checkpoints):
+    checkpoint = load_checkpoint(str(sharded_checkpoints[1]))
+    assert checkpoint.step == 4
+    for name in checkpoint.model_state:  # each tensor whole, from both ranks' rows
+        tensor = checkpoint.model_state[name]
+        assert tuple(tensor.shape) == tuple(checkpoint.model_state.shape(name))
+
+
+@pytest.mark.parametrize("spoil", ["missing", "extra", "other-step", "other-run"])
+def test_a_spoiled_sharded_checkpoint_is_refused_in_one_line(sharded_checkpoints, tmp_path, spoil):
+    two, four = sharded_checkpoints
+    target = _spoiled(four, tmp_path)
+    if spoil == "missing":
+        os.remove(target / "optimizer-00001-of-00002.safetensors")
+        expected = "shard optimizer-00001-of-00002.safetensors is missing"
+    elif spoil == "extra":
+        shutil.copy(target / "model-00001-of-00002.safetensors",
+                    target / "model-00002-of-00002.safetensors")  # fmt: skip
+        expected = "unexpected shard model-00002-of-00002.safetensors"
+    elif spoil == "other-step":
+        shutil.copy(two / "model-00001-of-00002.safetensors", target)
+        expected = "shard model-00001-of-00002.safetensors belongs to another checkpoint"
+    else:  # another run's shard: the same step, other weights
+        shutil.copy(two / "model-00000-of-00002.safetensors",
+                    target / "model-00000-of-00002.safetensors")  # fmt: skip
+        expected = "shard model-00000-of-00002.safetensors belongs to another checkpoint"
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(str(target))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_shard_of_another_step_is_refused_on_every_rank(image_text, sharded_checkpoints,
+                                                           tmp_path):  # fmt: skip
+    two, four = sharded_checkpoints
+    target = _spoiled(four, tmp_path / "run")
+    shutil.copy(two / "optimizer-00000-of-00002.safetensors", target)
+    result = train_pooled(2, *IMAGE_TEXT, *_image_text_data(image_text), "--model", "mlp",
+                          "--dropout", "0.1", "--fsdp", "--resume-from", str(target),
+                          "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
+    one_line_errors(result, "belongs to another checkpoint", 2)
+
+
+class _Payload:
+    """Unpickling this writes a marker file: what a planted DCP ``.metadata`` could run."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "executed"))
+
+
+def test_a_planted_pickled_metadata_file_is_never_executed(image_text, sharded_checkpoints,
+                                                           tmp_path):  # fmt: skip
+    target = _spoiled(sharded_checkpoints[0], tmp_path / "run")
+    marker = tmp_path / "marker"
+    (target / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    train_pooled(2, *IMAGE_TEXT, *_image_text_data(image_text), "--model", "mlp", "--dropout",
+                 "0.1", "--fsdp", "--resume-from", str(target), "--output-dir",
+                 str(tmp_path / "run"))  # fmt: skip
+    assert not marker.exists()
+    pickle.loads((target / ".metadata").read_bytes())  # the control: unpickling runs it
+    assert marker.read_text() == "executed"
+
+
+def test_accelerate_fsdp_configuration_is_refused_in_one_line(image_text, tmp_path):
+    result = train_pooled(2, *IMAGE_TEXT, *_image_text_data(image_text), "--model", "mlp",
+                          "--output-dir", str(tmp_path), check=False,
+                          environment={"ACCELERATE_USE_FSDP": "true"})  # fmt: skip
+    one_line_errors(result, "pass --fsdp", 2)
+
+
+class _Tower(torch.nn.Module):
+    """Three blocks (three FSDP units) and a head (the root's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(3)
+        )
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _one_step(rank: int, world_size: int, sync: str) -> dict:
+    """One cached-backward step (K = 3 chunks) of a small tower under FSDP2 on this rank's
+    share, counting the reduce-scatters, beside the same step under DDP: the loss, the
+    full gradient and the updated weights of each."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from contrastive_accelerate import grad_cache
+    from contrastive_accelerate.collectives import gather
+    from contrastive_accelerate.sharding import shard_model
+
+    def tower() -> nn.Module:
+        torch.manual_seed(0)
+        return _Tower().double()
+
+    inputs = torch.randn(12, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    share = inputs.tensor_split(world_size)[rank]
+
+    def loss_fn(embeddings):  # each rank's share of a loss over the global batch
+        z = torch.nn.functional.normalize(gather(torch.cat(embeddings)), dim=1)
+        return torch.logsumexp(z @ z.T / 0.5, dim=1).sum() * world_size / len(inputs)
+
+    results = {}
+    for kind in ("fsdp", "ddp"):
+        model = tower()
+        if kind == "fsdp":
+            shard_model(model)
+        else:
+            model = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        counted, original = [0], dist.reduce_scatter_single
+
+        def counting(*args, counted=counted, original=original, **kwargs):
+            counted[0] += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting
+        deferred = grad_cache.gradient_sync_deferred
+        if sync != "last-chunk" and kind == "fsdp":
+            grad_cache.gradient_sync_deferred = lambda model: contextlib.nullcontext()
+            model.set_requires_gradient_sync(sync == "every-chunk")
+        try:
+            loss = grad_cache.cached_backward(model, share.tensor_split(3), loss_fn)
+        finally:
+            dist.reduce_scatter_single = original
+            grad_cache.gradient_sync_deferred = deferred
+        gradients = [
+            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
+            if p.grad is not None
+            else None
+            for p in model.parameters()
+        ]
+        optimizer.step()
+        weights = [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).tolist()
+            for p in model.parameters()
+        ]
+        results[kind] = {
+            "loss": loss.item(),
+            "gradients": gradients,
+            "weights": weights,
+            "reduce_scatters": counted[0],
+        }
+    return results
+
+
+def _max_difference(a, b) -> float:
+    if a is None or b is None:
+        return float("inf")
+    return (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+
+
+@pytest.mark.parametrize("sync", ["last-chunk", "every-chunk", "never"])
+def test_one_fsdp_step_is_one_ddp_step_with_one_reduce_scatter_per_unit(sync):
+    """Peer parity on 2 processes, K = 3 chunks: the loss, the gradient and the updated
+    weights equal DDP's, with one reduce-scatter per FSDP unit (4: three blocks and the
+    root). The controls: reduced on every chunk (3 per unit), or never (wrong gradient)."""
+    fsdp, ddp = (run_on_ranks(_one_step, 2, sync)[0][kind] for kind in ("fsdp", "ddp"))
+    gradient = max(
+        _max_difference(a, b) for a, b in zip(fsdp["gradients"], ddp["gradients"], strict=True)
+    )
+    weights = max(
+        _max_difference(a, b) for a, b in zip(fsdp["weights"], ddp["weights"], strict=True)
+    )
+    print(f"{sync}: loss {abs(fsdp['loss'] - ddp['loss']):.1e}, gradient {gradient:.1e}, "
+          f"weights {weights:.1e}, reduce-scatters {fsdp['reduce_scatters']}")  # fmt: skip
+    if sync == "last-chunk":
+        assert abs(fsdp["loss"] - ddp["loss"]) < 1e-12 and gradient < 1e-12 and weights < 1e-12
+        assert fsdp["reduce_scatters"] == 4
+    elif sync == "every-chunk":
+        assert fsdp["reduce_scatters"] == 3 * 4
+    else:
+        assert gradient > 1e-3 and fsdp["reduce_scatters"] == 0
