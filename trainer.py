@@ -37,7 +37,7 @@ from contrastive_accelerate.options import TrainConfig, check_data, check_launch
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
 from contrastive_accelerate.run_directory import RunDirectory
-from contrastive_accelerate.sharding import consolidated, is_sharded, shard_model
+from contrastive_accelerate.sharding import consolidated, is_sharded
 
 
 @dataclass
@@ -110,9 +110,8 @@ def _train(
     )
     if config.augmentation_seeding == "per-process":
         set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
-    # --fsdp: weights, gradients and optimizer state sharded over the processes (FSDP2),
-    # in place; the template is the same model without weights, to consolidate it into.
-    template = shard_model(method.model, accelerator.mixed_precision) if config.fsdp else None
+    if config.fsdp:  # weights, gradients and optimizer state sharded, in place (FSDP2)
+        method.shard(accelerator.mixed_precision)
     optimizer = make_optimizer(
         config.optimizer,
         method.model.parameters(),
@@ -120,10 +119,10 @@ def _train(
         momentum=config.momentum,
         weight_decay=config.weight_decay,
     )
-    if template is None:
-        model, optimizer = accelerator.prepare(method.model, optimizer)  # DDP
-    else:
+    if config.fsdp:
         model, optimizer = method.model, accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(method.model, optimizer)  # DDP
     learning_rate = warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model, optimizer and method state; the step gives the data position and the lr.
@@ -143,7 +142,7 @@ def _train(
                        config.image_size, config.skip_bad_images)  # fmt: skip
     # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher);
     # under --fsdp, consolidated whole on every rank for each evaluation.
-    evaluated = partial(_evaluated_encoder, method, model, template)
+    evaluated = partial(_evaluated_encoder, method)
     metrics: dict[str, float] = {}
     if step == 0 and knn is not None:
         metrics["knn_top1_init"] = _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
@@ -228,10 +227,10 @@ def _train(
         # signal during either leaves a checkpoint of the last step to finish from.
         # The trained model, whole (under --fsdp consolidated on every rank), which the
         # method evaluates from here on.
-        if template is None:
-            unwrapped = accelerator.unwrap_model(model)
+        if config.fsdp:
+            unwrapped = method.model = consolidated(model)
         else:
-            unwrapped = method.model = consolidated(model, template)
+            unwrapped = accelerator.unwrap_model(model)
         if not preempted:
             final = on_main_process(
                 run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
@@ -332,12 +331,10 @@ def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -
     return checkpoint.step
 
 
-def _evaluated_encoder(method, model, template) -> torch.nn.Module:
-    """The method's evaluated encoder; while ``model`` is sharded, its weights are first
-    consolidated into ``template`` (every rank, each evaluation)."""
-    if template is not None and method.model is model:
-        return consolidated(model, template)
-    return method.evaluated_encoder()
+def _evaluated_encoder(method) -> torch.nn.Module:
+    """The method's evaluated encoder, whole: a sharded one is consolidated on every rank."""
+    encoder = method.evaluated_encoder()
+    return consolidated(encoder) if is_sharded(encoder) else encoder
 
 
 def _evaluate(accelerator, encoder, knn: KnnData, k: int, run: RunDirectory, step: int) -> float:

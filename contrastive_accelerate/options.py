@@ -37,8 +37,6 @@ from models.text import POOLINGS
 from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
-#: The methods that ``--fsdp`` does not shard yet: their EMA teacher is a replica.
-FSDP_NOT_YET = ("moco", "byol", "dino")
 
 
 @dataclass
@@ -285,13 +283,6 @@ class TrainConfig:
                 "--gradient-checkpointing applies to the resnets, the vits and transformers "
                 "towers, not mlp"
             )
-        if self.fsdp and method in FSDP_NOT_YET:
-            raise ConfigError(
-                f"--fsdp does not shard --method {method}'s EMA teacher yet; it shards simclr, "
-                "pairs and image-text"
-            )
-        if self.fsdp and self.lora_rank:
-            raise ConfigError("--fsdp with LoRA adapters (--lora-rank) is not supported yet")
         if self.drop_path and self.model not in VIT_SIZES:
             raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
         if self.dropout and self.model not in ("mlp", *VIT_SIZES):

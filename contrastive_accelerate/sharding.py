@@ -14,7 +14,9 @@ embeddings does not care how the weights that made them are stored.
 - ``gradient_sync_deferred``: FSDP2's ``no_sync``, for gradient caching's first K-1
   chunks: one reduce-scatter per optimizer step.
 - ``consolidated``: the trained model as a plain module with its full weights, for the
-  evaluation and ``final/``.
+  evaluation and ``final/``;
+- ``full_state``: a sharded module's state dict, whole (an EMA teacher's, for the
+  method state of checkpoints).
 
 A sharded tensor is split along dim 0 as ``torch.chunk`` splits it: rank r holds rows
 ``[r * c, min((r + 1) * c, n))`` of n, with ``c = ceil(n / W)`` (``local_rows``);
@@ -69,11 +71,13 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return [module for _, module in sorted(found.values(), key=lambda entry: -entry[0])]
 
 
-def shard_model(model: nn.Module, mixed_precision: str = "no") -> nn.Module:
-    """Shard ``model`` in place over the default process group (FSDP2); returns its
-    template, the same module tree with parameters on the meta device, which
-    ``consolidated`` fills. Build the optimizer after this call: the parameters are
-    replaced by sharded ones.
+def shard_model(
+    model: nn.Module, mixed_precision: str = "no", *, trained: bool = True
+) -> nn.Module:
+    """Shard ``model`` in place over the default process group (FSDP2) and return it.
+    Build the optimizer after this call: the parameters are replaced by sharded ones.
+    ``trained=False`` (an EMA teacher, which runs no backward): its root reshards after
+    each forward too, so that its parameters are the sharded ones between forwards.
 
     ``mixed_precision`` (Accelerate's ``--mixed_precision``): bf16 or fp16 compute from
     float32 parameters, gradients reduced in float32."""
@@ -82,7 +86,7 @@ def shard_model(model: nn.Module, mixed_precision: str = "no") -> nn.Module:
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for p in model.parameters()
     }
-    template = copy.deepcopy(model, memo)
+    _TEMPLATES[model] = copy.deepcopy(model, memo)  # what ``consolidated`` fills
     compute = PARAMETER_DTYPES.get(mixed_precision)
     # Reduced in float32 under mixed precision; else in the parameters' own dtype (float64
     # stays float64).
@@ -92,7 +96,10 @@ def shard_model(model: nn.Module, mixed_precision: str = "no") -> nn.Module:
     replicated = {p for p in model.parameters() if p.dim() == 0}
     for unit in shard_units(model):
         fully_shard(unit, mp_policy=policy, ignored_params=replicated)
-    fully_shard(model, mp_policy=policy, ignored_params=replicated)
+    root_reshards = None if trained else True  # None: FSDP2's default, kept for backward
+    fully_shard(
+        model, mp_policy=policy, ignored_params=replicated, reshard_after_forward=root_reshards
+    )
     sync = _GradientSync()
     _SYNC[model] = sync
     world_size = dist.get_world_size()
@@ -101,7 +108,7 @@ def shard_model(model: nn.Module, mixed_precision: str = "no") -> nn.Module:
             parameter.register_post_accumulate_grad_hook(
                 lambda p, sync=sync: sync.enabled and _average(p.grad, world_size)
             )
-    return template
+    return model
 
 
 class _GradientSync:
@@ -112,6 +119,8 @@ class _GradientSync:
 
 
 _SYNC: weakref.WeakKeyDictionary[nn.Module, _GradientSync] = weakref.WeakKeyDictionary()
+#: Each sharded model's template: the same module tree, its parameters on the meta device.
+_TEMPLATES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
 def _average(gradient: torch.Tensor, world_size: int) -> None:
@@ -155,14 +164,24 @@ def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def consolidated(model: nn.Module, template: nn.Module) -> nn.Module:
-    """``template`` (from ``shard_model``) with ``model``'s current weights, whole, on
-    every rank: a plain module to evaluate and save. Every rank must call it; each
-    tensor is all-gathered in turn."""
+def consolidated(model: nn.Module) -> nn.Module:
+    """A plain copy of the sharded ``model`` with its current weights, whole, on every
+    rank, to evaluate and save: its template (made by ``shard_model``) filled. Every
+    rank must call it; each tensor is all-gathered in turn."""
     state = {
         # A copy each: an unevenly sharded tensor is gathered into a padded buffer.
         name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
         for name, value in model.state_dict().items()
     }
+    template = _TEMPLATES[model]
     template.load_state_dict(state, assign=True)
     return template
+
+
+@torch.no_grad()
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with each sharded tensor all-gathered whole (every rank)."""
+    return {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in module.state_dict().items()
+    }

@@ -33,8 +33,15 @@ PAIRS = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-lengt
 IMAGE_TEXT = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-steps", "5",
               "--columns", "image,caption", "--image-size", "8", "--knn-k", "0",
               "--num-workers", "0", "--max-length", "8"]  # fmt: skip
-RESNET = ["--dtype", "float64", "--model", "resnet18", "--batch-size", "12", "--max-steps", "2",
-          "--knn-k", "0", "--num-workers", "0", "--warmup-steps", "1", "--lr", "0.1"]  # fmt: skip
+# The offline digits: SimCLR and BYOL on ResNet-18 with SyncBatchNorm, DINO on a ViT with
+# two local crops (one forward per resolution, in one chunk) and drop path.
+IMAGES = ["--dtype", "float64", "--batch-size", "12", "--max-steps", "2", "--knn-k", "0",
+          "--num-workers", "0", "--warmup-steps", "1", "--lr", "0.1"]  # fmt: skip
+BYOL_RESNET = ("--method", "byol", "--model", "resnet18")
+DINO_VIT = ("--method", "dino", "--dino-out-dim", "64", "--model", "vit_tiny", "--local-crops",
+            "2", "--local-crop-size", "4", "--drop-path", "0.1")  # fmt: skip
+LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1")
+MLP = ("--model", "mlp", "--dropout", "0.1")
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +57,8 @@ def image_text(tmp_path_factory, captioned_images, tiny_bert):
 
 
 @pytest.fixture(scope="module")
-def resnet(tmp_path_factory):
-    return TrainerRuns(tmp_path_factory, *RESNET)
+def images(tmp_path_factory):
+    return TrainerRuns(tmp_path_factory, *IMAGES)
 
 
 @pytest.mark.parametrize(
@@ -59,12 +66,27 @@ def resnet(tmp_path_factory):
     [
         ("pairs", (), 2),
         ("pairs", ("--accumulation-chunks", "3"), 3),
-        ("image_text", ("--model", "mlp", "--dropout", "0.1"), 2),
-        ("image_text", ("--model", "mlp", "--dropout", "0.1", "--accumulation-chunks", "3"), 3),
+        ("pairs", LORA, 3),
+        ("pairs", ("--gradient-checkpointing", "--accumulation-chunks", "2"), 2),
+        ("image_text", MLP, 2),
+        ("image_text", (*MLP, "--accumulation-chunks", "3"), 3),
         ("image_text", ("--image-model", "{vit}"), 2),
-        ("resnet", (), 2),
+        ("images", ("--model", "resnet18"), 2),
+        ("images", BYOL_RESNET, 3),
+        ("images", (*DINO_VIT, "--accumulation-chunks", "3"), 3),
     ],
-    ids=["pairs-W2", "pairs-W3-K3", "mlp-W2", "mlp-W3-K3", "vit-W2", "resnet18-syncbn-W2"],
+    ids=[
+        "pairs-W2",
+        "pairs-W3-K3",
+        "pairs-lora-W3",
+        "pairs-checkpointing-W2-K2",
+        "mlp-W2",
+        "mlp-W3-K3",
+        "vit-W2",
+        "simclr-resnet18-syncbn-W2",
+        "byol-resnet18-syncbn-W3",
+        "dino-vit-multi-crop-W3-K3",
+    ],  # fmt: skip
 )
 def test_fsdp_on_n_processes_trains_what_one_process_trains(
     request, tiny_vit, runs, flags, processes
@@ -73,7 +95,7 @@ def test_fsdp_on_n_processes_trains_what_one_process_trains(
     flags = tuple(flag.format(vit=tiny_vit) for flag in flags)
     reference = runs(1, *one_chunk(flags))
     sharded = runs(processes, *flags, "--fsdp")
-    error = final_files_difference(reference, sharded)
+    error = final_files_difference(reference, sharded)  # with an EMA teacher's state
     print(f"--fsdp on {processes} processes {' '.join(flags)}: final/ within {error:.1e}")
     assert error < EXACT
 
@@ -88,7 +110,7 @@ def test_control_fsdp_with_local_negatives_trains_another_model(pairs):
 def test_fsdp_checkpoints_resume_on_any_number_of_processes(image_text, tmp_path):
     """A mid-epoch checkpoint of 2 sharded processes continues on 2 (exactly), on 3
     sharded and on 1 unsharded (``--fsdp`` is a resume="apply" option)."""
-    flags = ("--model", "mlp", "--dropout", "0.1", "--save-every", "2")
+    flags = (*MLP, "--save-every", "2")
     straight = image_text(2, *flags, "--fsdp")
     checkpoint = straight / "checkpoint-2"
     names = sorted(path.name for path in checkpoint.iterdir())
@@ -114,7 +136,7 @@ def _image_text_data(runs: TrainerRuns) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def sharded_checkpoints(image_text, tmp_path_factory) -> tuple[Path, Path]:
     """A copy of the 2-process sharded run's checkpoints 2 and 4 to spoil."""
-    straight = image_text(2, "--model", "mlp", "--dropout", "0.1", "--save-every", "2", "--fsdp")
+    straight = image_text(2, *MLP, "--save-every", "2", "--fsdp")
     copy = tmp_path_factory.mktemp("spoiled")
     for step in (2, 4):
         shutil.copytree(straight / f"checkpoint-{step}", copy / f"checkpoint-{step}")

@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from contrastive_accelerate import collectives
+from contrastive_accelerate.checkpoint_shards import load_local_state
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import TwoViewBatch, TwoViews
 from contrastive_accelerate.data.sources import ImageData, load_image_dataset
 from contrastive_accelerate.grad_cache import has_batch_statistics
 from contrastive_accelerate.knn import KnnData
 from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.sharding import full_state, is_sharded, shard_model
 from models import (
     SimCLR,
     convert_sample_dropout,
@@ -69,6 +71,11 @@ class Method:
         samples when the loop knows it (the losses then exchange nothing:
         ``losses.inputs``), else None."""
         raise NotImplementedError
+
+    def shard(self, mixed_precision: str) -> None:
+        """``--fsdp``: shard the trained modules over the processes, in place, before the
+        optimizer is made (``contrastive_accelerate.sharding``)."""
+        shard_model(self.model, mixed_precision)
 
     def before_optimizer_step(self, epoch: int) -> None:
         """Between the backward and the optimizer step (DINO's frozen last layer)."""
@@ -271,8 +278,9 @@ def load_queue(queue: KeyQueue | None, state: dict[str, torch.Tensor]) -> None:
 
 
 def teacher_state(teacher: EMATeacher) -> dict[str, torch.Tensor]:
-    """The teacher's weights and buffers, under ``teacher.``."""
-    return {f"teacher.{name}": value for name, value in teacher.network.state_dict().items()}
+    """The teacher's weights and buffers, under ``teacher.``; whole when it is sharded
+    (every rank must call it then)."""
+    return {f"teacher.{name}": value for name, value in full_state(teacher.network).items()}
 
 
 def load_teacher(teacher: EMATeacher, state: dict[str, torch.Tensor], method: str) -> dict:
@@ -284,5 +292,8 @@ def load_teacher(teacher: EMATeacher, state: dict[str, torch.Tensor], method: st
             "has no teacher weights" if not weights else "has teacher weights that do not match"
         )
         raise TrainerError(f"the checkpoint {problem} for this run's --method {method} and model")
-    teacher.network.load_state_dict(weights)
+    if is_sharded(teacher.network):
+        load_local_state(teacher.network, weights)  # this rank's rows
+    else:
+        teacher.network.load_state_dict(weights)
     return {name: v for name, v in state.items() if not name.startswith(prefix)}

@@ -22,6 +22,7 @@ from contrastive_accelerate.methods.base import (
     load_queue,
     load_teacher,
     push_batch_keys,
+    shard_model,
     teacher_state,
     two_views_dataset,
     view_halves,
@@ -42,6 +43,11 @@ class TeacherMethod(Method):
 
     def evaluated_encoder(self) -> nn.Module:
         return self.teacher.network if self.eval_teacher else self.model
+
+    def shard(self, mixed_precision: str) -> None:
+        """The student, and the teacher sharded like it: the EMA update is row-wise."""
+        shard_model(self.model, mixed_precision)
+        shard_model(self.teacher.network, mixed_precision, trained=False)
 
 
 class MomentumMethod(TeacherMethod):
