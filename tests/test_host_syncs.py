@@ -46,6 +46,9 @@ CASES += [
     for chunks in (1, 3)
 ]
 CASES.append(("dino", "resnet18", 1))  # multi-crop: one forward per resolution
+#: Under --fsdp, on 2 processes: sharded and replicated (siglip's scale and bias) gradients,
+#: the deferred reduce-scatter of K chunks, SyncBatchNorm and a sharded EMA teacher.
+FSDP_CASES = [("ntxent", "mlp", 3), ("siglip", "mlp", 1), ("byol", "resnet18", 3)]
 
 
 def _config(name: str, model: str, chunks: int) -> TrainConfig:
@@ -56,14 +59,20 @@ def _config(name: str, model: str, chunks: int) -> TrainConfig:
     return TrainConfig(method=name, **queue, **shared).resolved()
 
 
-def step_syncs_worker(rank: int, world_size: int, cases: list, control: bool) -> dict:
+def step_syncs_worker(
+    rank: int, world_size: int, cases: list, control: bool, fsdp: bool = False
+) -> dict:
     torch.manual_seed(0)
     data = load_image_dataset()
     seen = {}
     for name, model_name, chunks in cases:
         config = _config(name, model_name, chunks)
         method = METHODS[config.method].build(config, data, world_size, print, total_steps=10)
-        model = DistributedDataParallel(method.model)
+        if fsdp:
+            method.shard("no")
+            model = method.model
+        else:
+            model = DistributedDataParallel(method.model)
         optimizer = make_optimizer(
             config.optimizer, model.parameters(), lr=config.lr, momentum=0.9, weight_decay=5e-4
         )
@@ -105,6 +114,15 @@ def test_a_training_step_never_waits_for_the_device(step_syncs, case):
     for rank, seen in enumerate(step_syncs):
         print(f"rank {rank}, {case}: {seen[case]}")
         assert seen[case] == [], f"rank {rank} synchronises in a {case} step: {seen[case]}"
+
+
+def test_an_fsdp_training_step_never_waits_for_the_device():
+    per_rank = run_on_ranks(step_syncs_worker, 2, FSDP_CASES, False, True)
+    for rank, seen in enumerate(per_rank):
+        for name, model, chunks in FSDP_CASES:
+            case = f"{name}-{model}-K{chunks}"
+            print(f"rank {rank}, --fsdp {case}: {seen[case]}")
+            assert seen[case] == [], f"rank {rank} synchronises in an --fsdp {case} step"
 
 
 def test_a_logging_step_reads_the_checks_and_the_loss(step_syncs):

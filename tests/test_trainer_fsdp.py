@@ -12,6 +12,7 @@ reduced on every chunk or never, a shard of another step, a pickled metadata fil
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -332,3 +333,21 @@ def test_one_fsdp_step_is_one_ddp_step_with_one_reduce_scatter_per_unit(sync):
         assert fsdp["reduce_scatters"] == 3 * 4
     else:
         assert gradient > 1e-3 and fsdp["reduce_scatters"] == 0
+
+
+def test_fsdp_under_bf16_trains_finite_and_keeps_the_weights_and_teacher_in_float32(tmp_path):
+    """``--mixed_precision bf16``: FSDP2's policy casts the weights to bf16 for compute and
+    reduces in float32; the stored weights and the EMA teacher stay float32."""
+    from safetensors.torch import load_file
+
+    result = train_pooled(2, "--method", "byol", "--model", "mlp", "--batch-size", "8",
+                          "--max-steps", "3", "--knn-k", "0", "--num-workers", "0", "--fsdp",
+                          "--log-every", "1", "--output-dir", str(tmp_path),
+                          environment={"ACCELERATE_MIXED_PRECISION": "bf16"})  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [record["loss"] for record in records if "samples_per_s" in record]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), result.stdout
+    model = load_file(tmp_path / "final" / "model.safetensors")
+    teacher = load_file(tmp_path / "final" / "method.safetensors")
+    assert {t.dtype for t in model.values() if t.is_floating_point()} == {torch.float32}
+    assert {t.dtype for t in teacher.values() if t.is_floating_point()} == {torch.float32}
