@@ -15,6 +15,8 @@ Writes ``benchmarks/gpu_results.json`` and prints a table for docs/benchmarks.md
   samples/s after its first steps (where it compiles).
 - host-device synchronisations per training step, counted with
   ``torch.cuda.set_sync_debug_mode("warn")`` over the trainer's steps.
+- ``--fsdp``'s sharding on NCCL (a world of one process: one GPU): a BERT-large-sized and a
+  ViT-L-sized tower built in code, samples/s and peak memory, whole and sharded.
 - trainer.py fine-tuning a CLIP ViT-B/32-sized ``CLIPModel`` built in code (random
   weights, 224 px, the digits with captions): samples/s and peak memory, whole and
   with LoRA (rank 16 on the query and value projections of both towers).
@@ -365,6 +367,24 @@ def clip_table(device: str, quick: bool) -> list[dict]:
     return rows
 
 
+def fsdp_table(device: str, quick: bool) -> list[dict]:
+    """A BERT-large-sized and a ViT-L-sized tower, whole and under ``--fsdp``'s
+    ``shard_model`` in a world of one process on NCCL (``benchmarks.fsdp.gpu_here``), each
+    in a fresh process: samples/s and peak memory."""
+    towers = ("tiny-bert", "tiny-vit") if quick else ("bert-large", "vit-l")
+    steps, batch_size = (2, 4) if quick else (10, 64)
+    rows = []
+    for tower in towers:
+        for sharded in (False, True):
+            result = in_fresh_process("benchmarks.fsdp", "gpu_here", device, tower, sharded,
+                                      steps, batch_size, timeout=1200)  # fmt: skip
+            if "error" in result:
+                raise RuntimeError(f"FSDP {tower}: {result['error']}")
+            rows.append({"tower": tower, "fsdp": sharded, **result})
+    print("fsdp: done", flush=True)
+    return rows
+
+
 def run(device_name: str, quick: bool) -> dict:
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -388,6 +408,7 @@ def run(device_name: str, quick: bool) -> dict:
         ),
         "syncs_per_step": syncs_per_step(device, steps=5, batch_size=64),
         "clip": clip_table(device_name, quick),
+        "fsdp": fsdp_table(device_name, quick),
     }
 
 
@@ -443,6 +464,12 @@ def table_lines(results: dict) -> list[str]:
         peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.1f} GiB"
         lines.append(f"| {row['training']} | {row['precision']} | "
                      f"{row['samples_per_s']:.0f} | {peak} |")  # fmt: skip
+    lines += ["", "| tower, 1 process on NCCL | training | samples/s | peak memory |",
+              "|---|---|---|---|"]  # fmt: skip
+    for row in results["fsdp"]:
+        peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.1f} GiB"
+        training = "--fsdp (shard_model)" if row["fsdp"] else "whole"
+        lines.append(f"| {row['tower']} | {training} | {row['samples_per_s']:.0f} | {peak} |")
     return lines
 
 

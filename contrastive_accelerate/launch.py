@@ -23,7 +23,8 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from contrastive_accelerate.ranks import settle_before_exit
 
-#: Each process holds a full replica (DDP) or there is one process.
+#: Each process holds a full replica (DDP) or there is one process; ``--fsdp`` shards it
+#: over a MULTI_* launch itself (``contrastive_accelerate.sharding``).
 SUPPORTED_DISTRIBUTED_TYPES = (
     DistributedType.NO,
     DistributedType.MULTI_CPU,
@@ -41,10 +42,24 @@ class TrainerError(ValueError):
     """A configuration or input problem: reported as one line on every rank."""
 
 
+def refuse_accelerate_fsdp(accelerator: Accelerator | None = None) -> None:
+    """Refuse Accelerate's own FSDP (``--use_fsdp``, an FSDP config file), which on CPU
+    processes fails to start or silently falls back to plain multi-CPU: ``--fsdp`` is
+    the one sharded path, the same on every backend."""
+    requested = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+    if requested or (accelerator is not None and accelerator.distributed_type == "FSDP"):
+        raise TrainerError(
+            "Accelerate's FSDP configuration (--use_fsdp, an FSDP config file) is not used by "
+            "the trainer: launch without it and pass --fsdp, which shards with FSDP2 the same "
+            "way on every backend"
+        )
+
+
 def make_accelerator(
     output_dir: str, report_to: str, collective_timeout: float | None
 ) -> Accelerator:
     """The Accelerator of a run that brings none: trackers and the collective timeout."""
+    refuse_accelerate_fsdp()  # before Accelerate builds its own FSDP plugin
     handlers = []
     if collective_timeout is not None:
         timeout = datetime.timedelta(seconds=collective_timeout)

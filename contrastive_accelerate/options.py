@@ -22,12 +22,16 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator
 
 from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
 from contrastive_accelerate.config import ConfigError, flag, is_set, option, validate
 from contrastive_accelerate.data import batches_per_epoch
-from contrastive_accelerate.launch import SUPPORTED_DISTRIBUTED_TYPES, TrainerError
+from contrastive_accelerate.launch import (
+    SUPPORTED_DISTRIBUTED_TYPES,
+    TrainerError,
+    refuse_accelerate_fsdp,
+)
 from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS, PAIR_LOSSES
 from contrastive_accelerate.optim import OPTIMIZERS
 from losses.dino import CENTER_FORMULAS
@@ -344,14 +348,7 @@ def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator:
             f"launched with WORLD_SIZE={launched} but Accelerate runs one process "
             f"({accelerator.distributed_type}): each process would train alone"
         )
-    if accelerator.distributed_type == DistributedType.FSDP or os.environ.get(
-        "ACCELERATE_USE_FSDP", ""
-    ).lower() in ("1", "true", "yes"):
-        raise TrainerError(
-            "Accelerate's FSDP configuration (--use_fsdp, an FSDP config file) is not used by "
-            "the trainer: launch without it and pass --fsdp, which shards with FSDP2 the same "
-            "way on every backend"
-        )
+    refuse_accelerate_fsdp(accelerator)
     if config.fsdp and world_size == 1:
         raise TrainerError(
             "--fsdp shards over the processes: launch 2 or more, or leave it out (one "
@@ -360,7 +357,8 @@ def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator:
     if accelerator.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
         raise TrainerError(
             f"{accelerator.distributed_type} is not supported: the trainer keeps a full "
-            "replica per process (DDP); launch with a multi-GPU, multi-CPU or single-process config"
+            "replica per process (DDP) or shards it itself (--fsdp); launch with a multi-GPU, "
+            "multi-CPU or single-process config"
         )
     accumulation = max(
         accelerator.gradient_accumulation_steps, launcher_gradient_accumulation_steps()

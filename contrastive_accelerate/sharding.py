@@ -66,7 +66,7 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
             children = [getattr(module, stage) for stage in _RESNET_STAGES]
         depth = name.count(".") + 1 if name else 0
         for child in children:
-            if any(p.requires_grad or p.dim() for p in child.parameters()):
+            if next(child.parameters(), None) is not None:
                 found[id(child)] = (depth + 1, child)
     return [module for _, module in sorted(found.values(), key=lambda entry: -entry[0])]
 

@@ -22,7 +22,13 @@ def test_gpu_benchmark_smoke_mode_runs_on_the_cpu(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(output.read_text())
-    assert {"loss", "trainer", "sync_batchnorm", "syncs_per_step", "clip"} <= results.keys()
+    assert {"loss", "trainer", "sync_batchnorm", "syncs_per_step", "clip", "fsdp"} <= results.keys()
+    assert [(row["tower"], row["fsdp"]) for row in results["fsdp"]] == [
+        ("tiny-bert", False),
+        ("tiny-bert", True),
+        ("tiny-vit", False),
+        ("tiny-vit", True),
+    ]
     assert [row["training"] for row in results["clip"]] == ["whole", "LoRA r16"]
     assert [row["precision"] for row in results["trainer"]] == ["no", "bf16"]
     assert "| precision | trainer.py | hand-written loop | ratio |" in result.stdout
