@@ -179,6 +179,13 @@ def gpu_here(device: str, tower: str, sharded: bool, steps: int, batch_size: int
     return {"samples_per_s": steps * batch_size / elapsed, "peak_bytes": peak}
 
 
+def gpu_rows_here(device: str, towers: list[str], steps: int, batch_size: int) -> list[dict]:
+    """``gpu_here`` for each tower, whole then sharded, in this one process (the smoke
+    test's: one interpreter start instead of four)."""
+    return [{"tower": tower, "fsdp": sharded, **gpu_here(device, tower, sharded, steps, batch_size)}
+            for tower in towers for sharded in (False, True)]  # fmt: skip
+
+
 def main() -> None:
     from contrastive_accelerate.workers import run_on_ranks
 

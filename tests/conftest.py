@@ -34,6 +34,7 @@ from launch import (  # noqa: E402
 #: missing here runs all the same, after these.
 LONGEST_FIRST = [
     "test_trainer_momentum.py",
+    "test_trainer_fsdp.py",
     "test_invariance_kit.py",
     "test_fault_tolerance.py",
     "test_pool.py",

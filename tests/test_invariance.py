@@ -110,12 +110,10 @@ def test_checkpointed_blocks_train_the_same_model(runs):
     """``--gradient-checkpointing``: each ResNet block recomputed in backward, its
     SyncBatchNorm exchanging statistics again there, its running statistics kept (the
     unit tests' control shows them move without that): the plain run's model on 1
-    process, on 2, and on 3 with an idle rank."""
+    process, and on 3 with an idle rank."""
     plain, one = runs(1, "digits"), runs(1, "digits", "--gradient-checkpointing")
-    two = runs(2, "digits", "--gradient-checkpointing")
     idle = runs(3, "uneven", "--gradient-checkpointing")
-    diffs = (max_abs_diff(plain, one), max_abs_diff(plain, two),
-             max_abs_diff(runs(1, "uneven"), idle))  # fmt: skip
-    print(f"ResNet-18 checkpointed: vs plain on 1 process {diffs[0]:.1e}, 1 vs 2 processes "
-          f"{diffs[1]:.1e}, uneven 1 vs 3 {diffs[2]:.1e}")  # fmt: skip
+    diffs = (max_abs_diff(plain, one), max_abs_diff(runs(1, "uneven"), idle))
+    print(f"ResNet-18 checkpointed: vs plain on 1 process {diffs[0]:.1e}, uneven 1 vs 3 "
+          f"processes {diffs[1]:.1e}")  # fmt: skip
     assert max(diffs) <= EXACT

@@ -32,9 +32,8 @@ from contrastive_accelerate.workers import MAX_POOLED_WORKERS, run_in_workers, r
 
 from launch import ENV, REPO, final_files_difference, launch, train_pooled
 
+# SimCLR's path (two views, the mlp, keyed dropout) is MoCo's without its teacher and queue.
 FAMILIES = {
-    "simclr": ["--model", "mlp", "--dtype", "float64", "--batch-size", "6", "--augment",
-               "--dropout", "0.1", "--image-size", "8", "--max-steps", "5", "--knn-k", "0"],
     "moco": ["--method", "moco", "--queue-size", "10", "--model", "mlp", "--image-size", "8",
              "--dropout", "0.1", "--dtype", "float64", "--batch-size", "6", "--augment",
              "--lr", "0.1", "--max-steps", "5", "--save-every", "3", "--log-every", "1",
@@ -48,7 +47,7 @@ FAMILIES = {
                    "--max-length", "8"],
 }  # fmt: skip
 #: The session fixtures each family trains on: its dataset, then its text model if any.
-DATA = {"simclr": ["image_folder"], "moco": ["image_folder"],
+DATA = {"moco": ["image_folder"],
         "text-pairs": ["sentence_pairs", "tiny_bert"],
         "image-text": ["captioned_images", "tiny_bert"]}  # fmt: skip
 

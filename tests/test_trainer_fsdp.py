@@ -36,7 +36,7 @@ IMAGE_TEXT = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-
               "--num-workers", "0", "--max-length", "8"]  # fmt: skip
 # The offline digits: SimCLR and BYOL on ResNet-18 with SyncBatchNorm, DINO on a ViT with
 # two local crops (one forward per resolution, in one chunk) and drop path.
-IMAGES = ["--dtype", "float64", "--batch-size", "12", "--max-steps", "2", "--knn-k", "0",
+IMAGES = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "2", "--knn-k", "0",
           "--num-workers", "0", "--warmup-steps", "1", "--lr", "0.1"]  # fmt: skip
 BYOL_RESNET = ("--method", "byol", "--model", "resnet18")
 DINO_VIT = ("--method", "dino", "--dino-out-dim", "64", "--model", "vit_tiny", "--local-crops",
@@ -71,8 +71,11 @@ def images(tmp_path_factory):
         ("pairs", ("--gradient-checkpointing", "--accumulation-chunks", "2"), 2),
         ("image_text", MLP, 2),
         ("image_text", (*MLP, "--accumulation-chunks", "3"), 3),
+        ("image_text", (*MLP, "--loss", "siglip"), 3),
         ("image_text", ("--image-model", "{vit}"), 2),
         ("images", ("--model", "resnet18"), 2),
+        ("images", ("--model", "mlp", "--loss", "vicreg"), 2),
+        ("images", ("--method", "moco", "--model", "mlp", "--queue-size", "10"), 3),
         ("images", BYOL_RESNET, 3),
         ("images", (*DINO_VIT, "--accumulation-chunks", "3"), 3),
     ],
@@ -83,8 +86,11 @@ def images(tmp_path_factory):
         "pairs-checkpointing-W2-K2",
         "mlp-W2",
         "mlp-W3-K3",
+        "mlp-siglip-W3",
         "vit-W2",
         "simclr-resnet18-syncbn-W2",
+        "vicreg-lars-mlp-W2",
+        "moco-queue-mlp-W3",
         "byol-resnet18-syncbn-W3",
         "dino-vit-multi-crop-W3-K3",
     ],  # fmt: skip
@@ -108,22 +114,30 @@ def test_control_fsdp_with_local_negatives_trains_another_model(pairs):
     assert error > 1e-6
 
 
-def test_fsdp_checkpoints_resume_on_any_number_of_processes(image_text, tmp_path):
-    """A mid-epoch checkpoint of 2 sharded processes continues on 2 (exactly), on 3
-    sharded and on 1 unsharded (``--fsdp`` is a resume="apply" option)."""
+@pytest.mark.parametrize(
+    "written, resumed",
+    [(2, [(2, ("--fsdp",), 0.0), (3, ("--fsdp",), EXACT)]), (3, [(1, (), EXACT)])],
+    ids=["2-to-2-and-3", "3-to-1"],
+)
+def test_fsdp_checkpoints_resume_on_any_number_of_processes(image_text, tmp_path, written,
+                                                            resumed):  # fmt: skip
+    """A mid-epoch checkpoint (step 2 of 5) of sharded processes continues on as many
+    (exactly), on more, and on 1 unsharded (``--fsdp`` is a resume="apply" option)."""
     flags = (*MLP, "--save-every", "2")
-    straight = image_text(2, *flags, "--fsdp")
+    straight = image_text(written, *flags, "--fsdp")
     checkpoint = straight / "checkpoint-2"
     names = sorted(path.name for path in checkpoint.iterdir())
-    assert "shards.json" in names and "model-00001-of-00002.safetensors" in names, names
-    for processes, fsdp, bound in [(2, ("--fsdp",), 0.0), (3, ("--fsdp",), EXACT), (1, (), EXACT)]:
+    last = f"model-{written - 1:05d}-of-{written:05d}.safetensors"
+    assert "shards.json" in names and last in names, names
+    for processes, fsdp, bound in resumed:
         output = tmp_path / f"resumed-{processes}"
         shutil.copytree(straight, output, ignore=shutil.ignore_patterns("final"))
         result = train_pooled(processes, *IMAGE_TEXT, *_image_text_data(image_text), *flags, *fsdp,
                               "--resume-from", str(output / "checkpoint-2"),
                               "--output-dir", str(output))  # fmt: skip
         error = final_files_difference(straight, output)
-        print(f"2 -> {processes} processes {' '.join(fsdp)}: final/ {error:.1e} from straight")
+        print(f"{written} -> {processes} processes {' '.join(fsdp)}: final/ {error:.1e} from "
+              "the straight run")  # fmt: skip
         assert error <= bound
         if not fsdp:
             assert "resume: applying --fsdp True -> False" in result.stdout

@@ -76,21 +76,15 @@ def differences(a: Path, b: Path) -> tuple[float, float]:
     "flags, processes",
     [
         (MOCO, 2),
-        (MOCO_RESNET, 2),
         (MOCO_RESNET, 3),
-        (BYOL_RESNET, 2),
         (BYOL_RESNET, 3),
-        (DINO_MULTI_CROP, 2),
         (DINO_MULTI_CROP, 3),
         (DINO_VIT_MULTI_CROP, 3),
     ],
     ids=[
         "moco+queue-2",
-        "moco+queue-resnet18-syncbn-2",
         "moco+queue-resnet18-syncbn-3",
-        "byol-resnet18-syncbn-2",
         "byol-resnet18-syncbn-3",
-        "dino-resnet18-syncbn-multi-crop-2",
         "dino-resnet18-syncbn-multi-crop-3",
         "dino-vit-multi-crop-drop-path-3",
     ],  # fmt: skip
