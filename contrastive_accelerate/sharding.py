@@ -100,32 +100,29 @@ def shard_model(
     fully_shard(
         model, mp_policy=policy, ignored_params=replicated, reshard_after_forward=root_reshards
     )
-    sync = _GradientSync()
-    _SYNC[model] = sync
-    world_size = dist.get_world_size()
+    _SYNC[model] = sync = _GradientSync(dist.get_world_size())
     for parameter in replicated:
         if parameter.requires_grad:
-            parameter.register_post_accumulate_grad_hook(
-                lambda p, sync=sync: sync.enabled and _average(p.grad, world_size)
-            )
+            parameter.register_post_accumulate_grad_hook(sync.average)
     return model
 
 
 class _GradientSync:
-    """Whether the replicated parameters' gradients are averaged on their next
-    accumulation (off under ``gradient_sync_deferred``)."""
+    """The replicated parameters' gradient sync: each accumulation is averaged over the
+    ranks (one all-reduce), except under ``gradient_sync_deferred``."""
 
-    enabled = True
+    def __init__(self, world_size: int) -> None:
+        self.world_size, self.enabled = world_size, True
+
+    def average(self, parameter: torch.Tensor) -> None:
+        if self.enabled:
+            parameter.grad.div_(self.world_size)
+            dist.all_reduce(parameter.grad)
 
 
 _SYNC: weakref.WeakKeyDictionary[nn.Module, _GradientSync] = weakref.WeakKeyDictionary()
 #: Each sharded model's template: the same module tree, its parameters on the meta device.
 _TEMPLATES: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
-
-
-def _average(gradient: torch.Tensor, world_size: int) -> None:
-    gradient.div_(world_size)
-    dist.all_reduce(gradient)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,8 @@ DINO_VIT = ("--method", "dino", "--dino-out-dim", "64", "--model", "vit_tiny", "
             "2", "--local-crop-size", "4", "--drop-path", "0.1")  # fmt: skip
 LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.1")
 MLP = ("--model", "mlp", "--dropout", "0.1")
+# The kNN of the teacher at the start and after each step, and the linear probe at the end.
+EVALUATED = ("--knn-k", "20", "--eval-teacher", "--eval-every", "1")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def images(tmp_path_factory):
         ("image_text", ("--image-model", "{vit}"), 2),
         ("images", ("--model", "resnet18"), 2),
         ("images", ("--model", "mlp", "--loss", "vicreg"), 2),
-        ("images", ("--method", "moco", "--model", "mlp", "--queue-size", "10"), 3),
+        ("images", ("--method", "moco", "--model", "mlp", "--queue-size", "10", *EVALUATED), 3),
         ("images", BYOL_RESNET, 3),
         ("images", (*DINO_VIT, "--accumulation-chunks", "3"), 3),
     ],
@@ -109,6 +111,17 @@ def test_fsdp_on_n_processes_trains_what_one_process_trains(
     error = final_files_difference(reference, sharded)  # with an EMA teacher's state
     print(f"--fsdp on {processes} processes {' '.join(flags)}: final/ within {error:.1e}")
     assert error < EXACT
+    if "--eval-teacher" in flags:  # evaluated on the consolidated teacher, as one process does
+        figures = [_evaluation_figures(output) for output in (reference, sharded)]
+        print(f"evaluation figures: {figures[1]}")
+        assert figures[0] == figures[1]
+        assert {"knn_top1@0", "knn_top1@1", "linear_probe_top1@2"} <= figures[1].keys()
+
+
+def _evaluation_figures(output: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return {f"{key}@{record['step']}": value for record in records if "step" in record
+            for key, value in record.items() if "top1" in key}  # fmt: skip
 
 
 def test_control_fsdp_with_local_negatives_trains_another_model(pairs):

@@ -43,7 +43,7 @@ class Method:
     every rank starts from the same weights, and sets:
 
     - ``model``: every trained module (towers, heads, a learnable scale); the loop
-      prepares it with the optimizer (DDP).
+      prepares it with the optimizer (DDP), or with ``--fsdp`` shards it (``shard``).
     - ``dataset``: dataset rows as items, keyed by ``(epoch, index)``; ``dataset.collate``
       makes the batch, whose ``split(k)`` gives the chunks of gradient caching and whose
       ``unreadable`` lists the images that could not be decoded.
@@ -74,7 +74,9 @@ class Method:
 
     def shard(self, mixed_precision: str) -> None:
         """``--fsdp``: shard the trained modules over the processes, in place, before the
-        optimizer is made (``contrastive_accelerate.sharding``)."""
+        optimizer is made (``contrastive_accelerate.sharding``). ``embed`` must then call
+        ``model`` itself, not its submodules: FSDP2 gathers the root's own weights (heads,
+        embeddings) in the root's forward."""
         shard_model(self.model, mixed_precision)
 
     def before_optimizer_step(self, epoch: int) -> None:
