@@ -8,6 +8,8 @@ are anyway, and raise the same one-line error everywhere.
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -130,20 +132,40 @@ def settle_before_exit(timeout_s: float = 10.0) -> None:
     Called on the way out of a failed run, after the rank has printed its error. A
     launcher ends all workers as soon as one exits (torchrun sends SIGTERM): without
     this, a fast rank's exit can cut a slower peer off before it prints its own line.
-    It counts arrivals in the process group's key-value store rather than running a
-    collective, so it works on any backend and gives up instead of hanging when a
-    peer never comes (it stalled, or died).
+    It counts arrivals in a key-value store rather than running a collective, so it
+    works on any backend and gives up instead of hanging when a peer never comes (it
+    stalled, or died): the process group's store, or before there is a group (an
+    option refused while parsing) the store that torchrun's agent hosts for its workers.
     """
-    if not is_distributed():
-        return
     try:
-        store = default_store()
+        found = _settling_store(timeout_s)
+        if found is None:
+            return
+        store, world_size = found
         store.add(_SETTLE_KEY, 1)
         deadline = time.monotonic() + timeout_s
-        while store.add(_SETTLE_KEY, 0) < dist.get_world_size() and time.monotonic() < deadline:
+        while store.add(_SETTLE_KEY, 0) < world_size and time.monotonic() < deadline:
             time.sleep(0.01)
     except Exception:  # noqa: BLE001 - best effort: the store may have gone with a peer
         pass
+
+
+def _settling_store(timeout_s: float) -> tuple[dist.Store, int] | None:
+    if is_distributed():
+        return default_store(), dist.get_world_size()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(
+        f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+    ), world_size
 
 
 _SETTLE_KEY = "contrastive_accelerate/settle_before_exit"
