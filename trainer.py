@@ -301,7 +301,7 @@ def _save(accelerator, run, model, optimizer, method, state, checks, step: int) 
     under --fsdp by every rank, each its shards."""
     checks.raise_if_any()  # never a checkpoint of a model that a non-finite loss trained
     if is_sharded(model):
-        return run.save_sharded_checkpoint(step, model, optimizer, state, method.state_dict())
+        return run.save_checkpoint(step, model, optimizer, state, method.state_dict())
     return on_main_process(
         run.save_checkpoint,
         step,

@@ -23,6 +23,7 @@ from contrastive_accelerate.checkpoint import (
     save_sharded_checkpoint,
 )
 from contrastive_accelerate.durable_files import error_reason
+from contrastive_accelerate.sharding import is_sharded
 
 
 class RunDirectory:
@@ -51,23 +52,11 @@ class RunDirectory:
         state: RunState,
         method_state: dict[str, torch.Tensor] | None = None,
     ) -> str:
-        """``checkpoint-<step>``, written atomically; older ones pruned to ``keep``."""
-        path = save_checkpoint(self.path, step, model, optimizer, state, method_state)
-        if self.keep:
-            self.prune(self.keep)
-        return path
-
-    def save_sharded_checkpoint(
-        self,
-        step: int,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        state: RunState,
-        method_state: dict[str, torch.Tensor] | None = None,
-    ) -> str:
-        """``checkpoint-<step>`` of a sharded model: every rank calls it and writes its
-        shards; the main process prunes older ones to ``keep``."""
-        path = save_sharded_checkpoint(self.path, step, model, optimizer, state, method_state)
+        """``checkpoint-<step>``, written atomically; older ones pruned to ``keep``. Called
+        on the main process alone, or for a sharded model (``--fsdp``) on every rank, each
+        writing its shards (the main process prunes)."""
+        save = save_sharded_checkpoint if is_sharded(model) else save_checkpoint
+        path = save(self.path, step, model, optimizer, state, method_state)
         if self.keep and (not dist.is_initialized() or dist.get_rank() == 0):
             self.prune(self.keep)
         return path
