@@ -37,14 +37,16 @@ from contrastive_accelerate.options import TrainConfig, check_data, check_launch
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
 from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
 from contrastive_accelerate.run_directory import RunDirectory
-from contrastive_accelerate.sharding import consolidated, is_sharded
+from contrastive_accelerate.sharding import is_sharded, reshard_after_evaluation
 
 
 @dataclass
 class TrainResult:
     """What a pipeline needs after ``train``."""
 
-    model: torch.nn.Module  # unwrapped, trained, on the accelerator's device
+    #: Unwrapped, trained, on the accelerator's device; under --fsdp sharded still
+    #: (``contrastive_accelerate.sharding.consolidated`` makes a plain copy).
+    model: torch.nn.Module
     metrics: dict[str, float]
     step: int
     final_model_dir: str | None  # None when preempted before the final save
@@ -141,8 +143,8 @@ def _train(
         knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column,
                        config.image_size, config.skip_bad_images)  # fmt: skip
     # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher);
-    # under --fsdp, consolidated whole on every rank for each evaluation.
-    evaluated = partial(_evaluated_encoder, method)
+    # under --fsdp sharded, every rank running the same forwards.
+    evaluated = method.evaluated_encoder
     metrics: dict[str, float] = {}
     if step == 0 and knn is not None:
         metrics["knn_top1_init"] = _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
@@ -225,16 +227,16 @@ def _train(
 
         # Save, then evaluate: a failing evaluation never loses the trained model, and a
         # signal during either leaves a checkpoint of the last step to finish from.
-        # The trained model, whole (under --fsdp consolidated on every rank), which the
-        # method evaluates from here on.
-        if config.fsdp:
-            unwrapped = method.model = consolidated(model)
-        else:
-            unwrapped = accelerator.unwrap_model(model)
+        # Under --fsdp the model stays sharded: every rank takes part in the final save
+        # (one tower whole at a time) and in each evaluation's forwards.
+        unwrapped = model if config.fsdp else accelerator.unwrap_model(model)
         if not preempted:
-            final = on_main_process(
-                run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
-            )
+            if config.fsdp:
+                final = run.save_final(model, method.state_dict())
+            else:
+                final = on_main_process(
+                    run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
+                )
             evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
             if knn is not None:
                 evaluations[:0] = [
@@ -331,16 +333,11 @@ def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -
     return checkpoint.step
 
 
-def _evaluated_encoder(method) -> torch.nn.Module:
-    """The method's evaluated encoder, whole: a sharded one is consolidated on every rank."""
-    encoder = method.evaluated_encoder()
-    return consolidated(encoder) if is_sharded(encoder) else encoder
-
-
 def _evaluate(accelerator, encoder, knn: KnnData, k: int, run: RunDirectory, step: int) -> float:
     encoder.eval()
     accuracy = knn_top1(encoder, knn, k=k)
     encoder.train()
+    reshard_after_evaluation(encoder)
     accelerator.log({"knn_top1": accuracy}, step=step)
     if accelerator.is_main_process:
         run.log({"step": step, "knn_top1": accuracy})
@@ -356,6 +353,7 @@ def _baselines_and_probe(accelerator, encoder, knn: KnnData, config, run, step: 
         results["linear_probe_top1"] = linear_probe_top1(encoder, knn)
         results["raw_pixels_linear_probe_top1"] = linear_probe_top1(RawPixels(), knn)
     encoder.train()
+    reshard_after_evaluation(encoder)
     accelerator.log(results, step=step)
     if accelerator.is_main_process:
         run.log({"step": step, **results})

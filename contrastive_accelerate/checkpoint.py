@@ -87,7 +87,7 @@ class Checkpoint:
     model_state: Mapping[str, torch.Tensor]
     optimizer_tensors: Mapping[str, torch.Tensor]
     optimizer_values: dict[str, Any]
-    method_state: dict[str, torch.Tensor]  # empty for a method without state
+    method_state: Mapping[str, torch.Tensor]  # empty for a method without state
     inputs: dict[str, dict[str, str]]  # empty in a checkpoint older than the digests
 
 
@@ -164,7 +164,8 @@ def save_sharded_checkpoint(
     rank, world_size = rank_and_world_size()
     final, partial = _checkpoint_paths(output_dir, step)
     optimizer_tensors, optimizer_values = flatten_optimizer_state(optimizer.state_dict())
-    parts = {"model": trained_state(model), "optimizer": optimizer_tensors}
+    parts = {"model": trained_state(model), "optimizer": optimizer_tensors,
+             "method": method_state or {}}  # fmt: skip
 
     def agree(problem: Exception | None, written: dict[str, str] | None = None) -> dict:
         """Every rank's shards (name: digest); a problem on any rank abandons the save."""
@@ -196,7 +197,7 @@ def save_sharded_checkpoint(
         try:
             document = shards.layout_document(world_size, files, layouts)
             write_json(os.path.join(partial, shards.SHARDS_FILE), document)
-            _commit(output_dir, step, partial, state, optimizer_values, method_state)
+            _commit(output_dir, step, partial, state, optimizer_values, method_state=None)
         except (OSError, SafetensorError) as error:
             problem = error
     agree(problem)
@@ -258,29 +259,6 @@ def _cannot_write(output_dir: str, final: str, reason: str) -> str:
     return f"cannot write checkpoint {final}: {reason}{kept}"
 
 
-def save_final_model(
-    output_dir: str, model, method_state: dict[str, torch.Tensor] | None = None
-) -> str:
-    """``model.save_pretrained`` into ``<output_dir>/final``, atomically, with the method's
-    state (a teacher, a queue) in ``method.safetensors`` when it has any."""
-    final = os.path.join(output_dir, FINAL_DIR)
-    partial = os.path.join(output_dir, f".{FINAL_DIR}.partial")
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        model.save_pretrained(partial)
-        if method_state:
-            write_tensors(os.path.join(partial, METHOD_FILE), method_state)
-        fsync_directory(partial)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-    except (OSError, SafetensorError) as error:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(
-            f"cannot write the final model {final}: {error_reason(error)}"
-        ) from None
-    return final
-
-
 def load_checkpoint(path: str) -> Checkpoint:
     """Read a checkpoint written by ``save_checkpoint``; raises ``CheckpointError``."""
     if not os.path.isdir(path):
@@ -291,13 +269,17 @@ def load_checkpoint(path: str) -> Checkpoint:
             world_size, layouts = shards.read_layout(path)
         except shards.ShardError as error:
             raise CheckpointError(f"{path!r}: {error}") from None
-        model_state = shards.ShardedTensors(path, "model", world_size, layouts["model"])
-        optimizer_tensors = shards.ShardedTensors(
-            path, "optimizer", world_size, layouts["optimizer"]
+        model_state, optimizer_tensors, method_state = (
+            shards.ShardedTensors(path, part, world_size, layouts[part]) for part in shards.PARTS
         )
     else:
         model_state = _read_tensors(path, MODEL_FILE)
         optimizer_tensors = _read_tensors(path, OPTIMIZER_FILE)
+        method_state = (
+            _read_tensors(path, METHOD_FILE)
+            if os.path.exists(os.path.join(path, METHOD_FILE))
+            else {}
+        )
     return Checkpoint(
         path=path,
         step=state["step"],
@@ -306,11 +288,7 @@ def load_checkpoint(path: str) -> Checkpoint:
         model_state=model_state,
         optimizer_tensors=optimizer_tensors,
         optimizer_values=state["optimizer"],
-        method_state=(
-            _read_tensors(path, METHOD_FILE)
-            if os.path.exists(os.path.join(path, METHOD_FILE))
-            else {}
-        ),
+        method_state=method_state,
         inputs=state.get("inputs", {}),
     )
 

@@ -1,13 +1,13 @@
 """Sharded checkpoints (``--fsdp``): each rank writes the rows it holds, and any number
 of processes reads them back, nothing pickled.
 
-A sharded ``checkpoint-<step>/`` holds, besides ``trainer_state.json`` (written last)
-and ``method.safetensors``:
+A sharded ``checkpoint-<step>/`` holds, besides ``trainer_state.json`` (written last):
 
-- ``model-<r>-of-<W>.safetensors`` and ``optimizer-<r>-of-<W>.safetensors``: rank r's
-  rows of each sharded tensor (``contrastive_accelerate.sharding.shard_rows``), and in
-  rank 0's files the tensors that every rank holds whole (buffers, a logit scale,
-  Adam's step count);
+- ``model-<r>-of-<W>.safetensors``, ``optimizer-<r>-of-<W>.safetensors`` and
+  ``method-<r>-of-<W>.safetensors`` (the method's state: an EMA teacher, sharded as its
+  student is, a queue, a center): rank r's rows of each sharded tensor
+  (``contrastive_accelerate.sharding.shard_rows``), and in rank 0's files the tensors
+  that every rank holds whole (buffers, a logit scale, Adam's step count, a queue);
 - ``shards.json``: the layout, in JSON: each tensor's shape and each rank's rows (or
   ``null``: whole, in rank 0's file), and each shard file's content digest, which the
   file carries in its safetensors metadata too.
@@ -37,9 +37,9 @@ from torch.distributed.tensor import DTensor
 from contrastive_accelerate.sharding import local_rows, shard_rows
 
 SHARDS_FILE = "shards.json"
-SHARDS_FORMAT = "contrastive-accelerate-shards/1"
-PARTS = ("model", "optimizer")
-_SHARD = re.compile(r"(model|optimizer)-(\d{5})-of-(\d{5})\.safetensors")
+SHARDS_FORMAT = "contrastive-accelerate-shards/2"  # /1 kept the method state whole
+PARTS = ("model", "optimizer", "method")
+_SHARD = re.compile(r"(model|optimizer|method)-(\d{5})-of-(\d{5})\.safetensors")
 
 
 class ShardError(ValueError):
@@ -91,9 +91,13 @@ def read_layout(path: str) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
     files, tensors = (
         layout.get(k) if isinstance(layout, dict) else None for k in ("files", "tensors")
     )
+    if isinstance(layout, dict) and layout.get("format") != SHARDS_FORMAT:
+        raise ShardError(
+            f"{SHARDS_FILE} has format {layout.get('format')!r}, this trainer reads "
+            f"{SHARDS_FORMAT!r}"
+        )
     if (
-        layout.get("format") != SHARDS_FORMAT
-        or not isinstance(world_size, int)
+        not isinstance(world_size, int)
         or world_size < 1
         or not isinstance(files, dict)
         or not isinstance(tensors, dict)
@@ -138,12 +142,24 @@ def _valid_entry(entry: Any, world_size: int) -> bool:
 
 
 class ShardedTensors(Mapping[str, torch.Tensor]):
-    """One part (model or optimizer) of a sharded checkpoint, read lazily: ``[name]``
-    reads a tensor whole, ``rows(name, start, stop)`` only rows of it (from the shards
-    that hold them)."""
+    """One part (model, optimizer or method) of a sharded checkpoint, read lazily:
+    ``[name]`` reads a tensor whole, ``rows(name, start, stop)`` only rows of it (from
+    the shards that hold them); ``under(prefix)`` the tensors named ``prefix...``, as a
+    ``ShardedTensors`` without the prefix (the method state's ``teacher.``)."""
 
-    def __init__(self, path: str, part: str, world_size: int, layout: dict) -> None:
+    def __init__(
+        self, path: str, part: str, world_size: int, layout: dict, prefix: str = ""
+    ) -> None:
         self.path, self.part, self.world_size, self.layout = path, part, world_size, layout
+        self.prefix = prefix
+
+    def under(self, prefix: str) -> ShardedTensors:
+        layout = {
+            name[len(prefix) :]: entry
+            for name, entry in self.layout.items()
+            if name.startswith(prefix)
+        }
+        return ShardedTensors(self.path, self.part, self.world_size, layout, self.prefix + prefix)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.rows(name, 0, self.shape(name)[0] if self.shape(name) else None)
@@ -179,6 +195,7 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
 
     def _read(self, rank: int, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         entry, file = self.layout[name], shard_file(self.part, rank, self.world_size)
+        name = self.prefix + name  # as the file names it
         expected = list(entry["shape"])
         if entry["rows"] is not None:
             first, last = entry["rows"][rank]
@@ -195,6 +212,14 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
             if rows is None:
                 return shard.get_tensor(name)
             return stored[rows[0] : rows[1]]
+
+
+def stored_under(tensors: Mapping[str, torch.Tensor], prefix: str) -> Mapping[str, torch.Tensor]:
+    """The stored tensors named ``prefix...``, without the prefix; a sharded part's read
+    lazily still."""
+    if isinstance(tensors, ShardedTensors):
+        return tensors.under(prefix)
+    return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
 
 
 def stored_shape(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Size:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +37,43 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
     save_file(copies, path, metadata={"digest": digest})
     fsync_file(path)
     return digest
+
+
+#: safetensors' names of the dtypes a model or optimizer state holds.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def write_tensors_in_turn(
+    path: str,
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[torch.Tensor],
+) -> None:
+    """A safetensors file written one tensor at a time, flushed to disk: the header from
+    ``specs`` (each name's dtype and shape, in the order the data follows), then each of
+    ``tensors`` as it comes, so that the writer never holds more than one of them (a
+    sharded model's weights, each gathered in turn). Raises ``ValueError`` when a tensor
+    does not match its spec."""
+    header, offset = {}, 0
+    for name, (dtype, shape) in specs.items():
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors does
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        for (name, (dtype, shape)), tensor in zip(specs.items(), tensors, strict=True):
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                                 f"not {dtype} {tuple(shape)}")  # fmt: skip
+            file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def write_json(path: str, value: dict) -> None:

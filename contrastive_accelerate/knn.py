@@ -98,7 +98,7 @@ def knn_top1(
 
 def knn_features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size: int):
     """This rank's share of ``dataset``: normalised float32 features and their labels,
-    ``batch_size`` images at a time."""
+    ``batch_size`` images at a time; every rank calls ``model.embed`` as many times."""
     device, dtype = _placement(model)
     rank, world_size = rank_and_world_size()
     share = torch.arange(len(dataset)).tensor_split(world_size)[rank]
@@ -121,11 +121,13 @@ def knn_features(model, data: KnnData, dataset, labels: torch.Tensor, batch_size
         (failed,) = any_rank(problem is not None)
         if failed:
             raise_together(problem)
-        if kept:
-            embedded = model.embed(images.to(device, dtype))
-            features.append(F.normalize(embedded.float(), dim=1))
-            kept_labels.append(labels[kept])
-    if not features:  # an empty share still gives its (0, width) part to the gather
+        if not kept:
+            images = torch.zeros(0, 3, data.image_size, data.image_size)
+        # Every batch, even an empty one: a sharded model's forward is a collective.
+        embedded = model.embed(images.to(device, dtype))
+        features.append(F.normalize(embedded.float(), dim=1))
+        kept_labels.append(labels[kept])
+    if not features:  # no batch at all still gives its (0, width) part to the gather
         empty = torch.zeros(0, 3, data.image_size, data.image_size)
         features.append(model.embed(empty.to(device, dtype)).float())
         kept_labels.append(labels[:0])

@@ -8,6 +8,7 @@ them, and one all-reduce sums the figures: the same result on any number of proc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,12 +29,12 @@ def paired_retrieval(
 ) -> dict[str, float]:
     """``mrr@10`` and ``recall@k`` (k in 1, 5, 10) of each query's own document among all
     ``count`` documents, by cosine similarity. ``embed_*(indices)`` embed those rows (on
-    ``device``, the model's). Call it on every rank."""
+    ``device``, the model's; no rows: a (0, width) tensor). Call it on every rank."""
     rank, world_size = rank_and_world_size()
     share = torch.arange(count).tensor_split(world_size)[rank]
-    batches = [
-        share[start : start + batch_size].tolist() for start in range(0, len(share), batch_size)
-    ]
+    # As many batches on every rank, some empty: a sharded model's forward is a collective.
+    rounds = math.ceil(math.ceil(count / world_size) / batch_size)
+    batches = [share[i * batch_size : (i + 1) * batch_size].tolist() for i in range(rounds)]
 
     def embedded(embed) -> torch.Tensor | None:
         parts = [F.normalize(embed(batch).float(), dim=1) for batch in batches]

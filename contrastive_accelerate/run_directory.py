@@ -19,18 +19,19 @@ from contrastive_accelerate.checkpoint import (
     RunState,
     complete_checkpoints,
     save_checkpoint,
-    save_final_model,
     save_sharded_checkpoint,
 )
 from contrastive_accelerate.durable_files import error_reason
+from contrastive_accelerate.final_model import save_final_model
 from contrastive_accelerate.sharding import is_sharded
 
 
 class RunDirectory:
     """The output directory of one run: its lock, checkpoints, final model and metrics.
 
-    ``save_checkpoint`` and ``save_final`` write there (call them on one process) and
-    keep only the newest ``keep`` checkpoints (None: all).
+    ``save_checkpoint`` and ``save_final`` write there (call them on the main process, or
+    on every rank for a sharded model) and keep only the newest ``keep`` checkpoints
+    (None: all).
 
     ``claim`` (main process) takes the directory's lock, an ``flock`` that the
     operating system drops when the process ends however it ends, so a crashed run
@@ -62,8 +63,9 @@ class RunDirectory:
         return path
 
     def save_final(self, model, method_state: dict[str, torch.Tensor] | None = None) -> str:
-        """The trained model in ``final/``, ``save_pretrained``'s format, and the method's
-        state, atomically."""
+        """The trained model in ``final/`` and the method's state, atomically
+        (``contrastive_accelerate.final_model``): on the main process, or for a sharded
+        model on every rank."""
         return save_final_model(self.path, model, method_state)
 
     def claim(self, resume_from: str | None, overwrite: bool) -> str | None:

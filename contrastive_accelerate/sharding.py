@@ -13,10 +13,15 @@ embeddings does not care how the weights that made them are stored.
   read outside the forward, stay replicated and their gradients are averaged here.
 - ``gradient_sync_deferred``: FSDP2's ``no_sync``, for gradient caching's first K-1
   chunks: one reduce-scatter per optimizer step.
-- ``consolidated``: the trained model as a plain module with its full weights, for the
-  evaluation and ``final/``;
-- ``full_state``: a sharded module's state dict, whole (an EMA teacher's, for the
-  method state of checkpoints).
+- The evaluation runs on the sharded model: ``shard_model`` registers its
+  ``EVALUATION_CALLS`` (``embed``, ...) as forwards, every rank calls them as many
+  times (``knn``, ``retrieval``), and ``reshard_after_evaluation`` frees the root's
+  gathered weights after.
+- ``gathered``: a sharded state's tensors whole, one at a time, and ``read_back``: a
+  model's towers filled one at a time from the file they were written to, for
+  ``final/`` (``contrastive_accelerate.final_model``): no process holds the whole model.
+- ``consolidated``: a plain copy of the model with its full weights, on every rank (the
+  trainer no longer needs one; a pipeline that wants the trained model whole may).
 
 A sharded tensor is split along dim 0 as ``torch.chunk`` splits it: rank r holds rows
 ``[r * c, min((r + 1) * c, n))`` of n, with ``c = ceil(n / W)`` (``local_rows``);
@@ -29,17 +34,27 @@ import contextlib
 import copy
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Shard
 
 #: What ``--mixed_precision`` computes in under ``--fsdp``; gradients are reduced in float32.
 PARAMETER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+#: The methods by which the evaluation calls a model besides ``forward``: FSDP2 gathers
+#: the root's own weights around each (``register_fsdp_forward_method``).
+EVALUATION_CALLS = ("embed", "project_images", "project_texts")
 #: Layer containers whose entries are each one FSDP unit: torchvision's ViT encoder.
 _BLOCK_SEQUENCES = ("layers",)
 #: torchvision ResNet stages, each one FSDP unit.
@@ -86,7 +101,7 @@ def shard_model(
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for p in model.parameters()
     }
-    _TEMPLATES[model] = copy.deepcopy(model, memo)  # what ``consolidated`` fills
+    _TEMPLATES[model] = copy.deepcopy(model, memo)  # what ``read_back``, ``consolidated`` fill
     compute = PARAMETER_DTYPES.get(mixed_precision)
     # Reduced in float32 under mixed precision; else in the parameters' own dtype (float64
     # stays float64).
@@ -100,6 +115,9 @@ def shard_model(
     fully_shard(
         model, mp_policy=policy, ignored_params=replicated, reshard_after_forward=root_reshards
     )
+    for name in EVALUATION_CALLS:
+        if callable(getattr(model, name, None)):
+            register_fsdp_forward_method(model, name)
     _SYNC[model] = sync = _GradientSync(dist.get_world_size())
     for parameter in replicated:
         if parameter.requires_grad:
@@ -175,10 +193,51 @@ def consolidated(model: nn.Module) -> nn.Module:
     return template
 
 
-@torch.no_grad()
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with each sharded tensor all-gathered whole (every rank)."""
-    return {
-        name: value.full_tensor() if isinstance(value, DTensor) else value
-        for name, value in module.state_dict().items()
-    }
+def reshard_after_evaluation(model: nn.Module) -> None:
+    """After an evaluation's forwards of a sharded ``model``: its root's weights, which
+    FSDP2 keeps gathered from a forward until its backward (an evaluation has none),
+    freed, so that only the shards stay allocated between evaluations. (The next
+    forward gathers the updated weights either way: measured, the figures and weights
+    of ``--eval-every 1`` runs are the same without this.)"""
+    if is_sharded(model):
+        model.reshard()
+
+
+def gathered(tensors: Mapping[str, torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each of ``tensors`` whole, in turn: a sharded one all-gathered (every rank must
+    iterate to the end), so that a writer holds one whole tensor at a time."""
+    for value in tensors.values():
+        yield (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+
+
+def unsharded_template(model: nn.Module) -> nn.Module:
+    """The sharded ``model``'s module tree as it was before ``shard_model``, its
+    parameters on the meta device: what ``read_back`` fills one tower at a time."""
+    return _TEMPLATES[model]
+
+
+def read_back(root: nn.Module, path: str) -> Callable[[nn.Module], AbstractContextManager]:
+    """``whole(module)`` for a submodule of ``root`` (an ``unsharded_template``): a
+    context inside which ``module`` holds its weights, read from the safetensors file
+    at ``path`` that holds ``root``'s state, and outside which they are on the meta
+    device again. A model's ``save_exports`` takes it to write one tower at a time."""
+    prefixes = {id(module): f"{name}." if name else "" for name, module in root.named_modules()}
+
+    @contextlib.contextmanager
+    def whole(module: nn.Module) -> Iterator[nn.Module]:
+        names, prefix = list(module.state_dict()), prefixes[id(module)]
+        with safe_open(path, framework="pt") as file:
+            # A copy of each: the exports may write over the file they were read from.
+            state = {name: file.get_tensor(prefix + name).clone() for name in names}
+        module.load_state_dict(state, assign=True)
+        del state
+        try:
+            yield module
+        finally:
+            released = {
+                name: torch.empty_like(value, device="meta")
+                for name, value in module.state_dict().items()
+            }
+            module.load_state_dict(released, assign=True)
+
+    return whole

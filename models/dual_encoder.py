@@ -13,8 +13,10 @@ scale and SigLIP's bias, all the checkpoint's own.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from torch import nn
 from models.dropout import sample_randomness
 from models.loading import first_line, load_auto_model
 from models.lora import is_adapted, save_adapted
-from models.text import image_text_forward
+from models.text import ImageTextProjections, image_text_forward
 from models.vision import DATA_MEAN, DATA_STD
 
 #: The submodules of a CLIP- or SigLIP-style dual encoder that hold each tower.
@@ -65,7 +67,7 @@ def load_dual_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
     return model, tokenizer, processor
 
 
-class DualEncoder(nn.Module):
+class DualEncoder(ImageTextProjections, nn.Module):
     """A dual encoder as ``models.text.ImageTextModel`` is to the image-text method:
     ``forward(images, columns, keys)`` gives the images' projections, then the texts';
     ``image`` and ``text`` each side's; ``embed`` the images' (for the kNN evaluation);
@@ -125,10 +127,21 @@ class DualEncoder(nn.Module):
         """The model in its own format (``CLIPModel.from_pretrained(directory)``), with its
         tokenizer and processor; adapted, the merged model there and its LoRA adapter
         in ``adapter/``."""
-        if is_adapted(self.model):
-            save_adapted(self.model, directory, os.path.join(directory, ADAPTER_DIR))
-        else:
-            self.model.save_pretrained(directory, safe_serialization=True)
+        self.save_exports(directory)
+
+    def save_exports(
+        self,
+        directory: str,
+        whole: Callable[[nn.Module], AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        """``save_pretrained`` inside ``whole(self.model)`` (``TextPairModel``'s): both
+        towers at once, as transformers saves one model (and writes its own
+        ``model.safetensors`` over the streamed one)."""
+        with whole(self.model):
+            if is_adapted(self.model):
+                save_adapted(self.model, directory, os.path.join(directory, ADAPTER_DIR))
+            else:
+                self.model.save_pretrained(directory, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
         self.processor.save_pretrained(directory)
 

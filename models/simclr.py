@@ -3,7 +3,10 @@ HF-style (safetensors + config.json)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +148,17 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     def _dino_head(self, in_dim: int, out_dim: int | None, hidden: int, bottleneck: int) -> None:
         if out_dim is not None:  # DINO's head replaces the projection head
             self.projection_head = DINOHead(in_dim, out_dim, hidden, bottleneck)
+
+    def save_exports(
+        self,
+        directory: str,
+        whole: Callable[[nn.Module], AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        """What ``final/`` holds besides the streamed ``model.safetensors``: for this
+        one-tower model, the model itself (``save_pretrained``: its weights and
+        ``config.json``), inside ``whole(self)`` (``models.text.TextPairModel``'s)."""
+        with whole(self):
+            self.save_pretrained(directory)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""

@@ -11,10 +11,12 @@ tower is loaded, so image-only runs never import it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -37,6 +39,8 @@ TOWER_DIR, SENTENCE_TRANSFORMER_DIR = "tower{}", "sentence_transformer"
 ADAPTER_DIR = "adapter{}"
 #: The subfolder of a saved ``ImageTextModel`` with a pretrained image tower.
 IMAGE_DIR = "image"
+#: ``whole(module)``: a context inside which ``module`` holds its weights (``save_exports``).
+Whole = Callable[[nn.Module], AbstractContextManager]
 
 
 class TextError(ValueError):
@@ -195,6 +199,13 @@ class TextPairModel(nn.Module):
     def tower(self, column: int) -> TextTower:
         return self.towers[0] if column == 0 else self.towers[-1]
 
+    def project_texts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, column: int = 0
+    ) -> torch.Tensor:
+        """Texts of ``column`` through its tower: the evaluation's call (a method of the
+        root, which a sharded model's forward hooks wrap: ``sharding.EVALUATION_CALLS``)."""
+        return self.tower(column)(input_ids, attention_mask)
+
     def forward(
         self,
         columns: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -210,22 +221,44 @@ class TextPairModel(nn.Module):
         return torch.cat(outputs)
 
     def save_pretrained(self, directory: str) -> None:
-        """``model.safetensors`` (every weight, as checkpoints hold them); each tower's
-        encoder and tokenizer through ``save_pretrained`` in ``tower0/`` (and ``tower1/``),
-        which ``AutoModel`` and ``AutoTokenizer`` load; and a sentence-transformers
-        directory (``sentence_transformer/``: Transformer, Pooling, Dense, and for two
-        towers a query/document ``Router``) when that package is installed."""
-        save_towers(self, directory, self.towers, self.tokenizers, {"max_length": self.max_length})
+        """``model.safetensors`` (every weight, as checkpoints hold them), then
+        ``save_exports``."""
+        save_weights(self, directory)
+        self.save_exports(directory)
+
+    def save_exports(self, directory: str, whole: Whole = contextlib.nullcontext) -> None:
+        """Each tower's encoder and tokenizer through ``save_pretrained`` in ``tower0/``
+        (and ``tower1/``), which ``AutoModel`` and ``AutoTokenizer`` load; and a
+        sentence-transformers directory (``sentence_transformer/``: Transformer, Pooling,
+        Dense, and for two towers a query/document ``Router``) when that package is
+        installed. Each tower is written inside ``whole(tower)``: a sharded model's final
+        save (``contrastive_accelerate.final_model``) fills one tower at a time."""
+        heads = save_towers(directory, self.towers, self.tokenizers,
+                            {"max_length": self.max_length}, whole)  # fmt: skip
         if len(self.tokenizers) == len(self.towers):
             export_sentence_transformer(
-                self.towers,
+                heads,
                 [os.path.join(directory, TOWER_DIR.format(i)) for i in range(len(self.towers))],
                 os.path.join(directory, SENTENCE_TRANSFORMER_DIR),
                 self.max_length,
             )
 
 
-class ImageTextModel(nn.Module):
+class ImageTextProjections:
+    """The evaluation's calls of an image-text model whose ``image`` and ``text`` give
+    the projections (``TextPairModel.project_texts`` says why they are methods)."""
+
+    def project_images(self, images: torch.Tensor) -> torch.Tensor:
+        return self.image(images)
+
+    def project_texts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, column: int = 0
+    ) -> torch.Tensor:
+        """The captions' projections (the one text column)."""
+        return self.text(input_ids, attention_mask)
+
+
+class ImageTextModel(ImageTextProjections, nn.Module):
     """CLIP's two towers (Radford et al., 2021): an image encoder with its projection head
     (``models.SimCLR``), a ``TextTower`` with a projection into the same width, and a
     learnable logit scale (``log_logit_scale``, CLIP's 1/0.07 at start, clamped at 100 by
@@ -264,22 +297,29 @@ class ImageTextModel(nn.Module):
         return image_text_forward(self.image, self.text, images, columns, keys)
 
     def save_pretrained(self, directory: str) -> None:
-        """``model.safetensors`` (both towers, the projections, the scale and bias), the
-        text tower's encoder and tokenizer in ``tower0/`` through ``save_pretrained``, and
-        a pretrained image tower's encoder and processor in ``image/`` (merged, with its
-        LoRA adapter in ``image_adapter/``)."""
+        """``model.safetensors`` (both towers, the projections, the scale and bias), then
+        ``save_exports``."""
+        save_weights(self, directory)
+        self.save_exports(directory)
+
+    def save_exports(self, directory: str, whole: Whole = contextlib.nullcontext) -> None:
+        """The text tower's encoder and tokenizer in ``tower0/`` through
+        ``save_pretrained``, and a pretrained image tower's encoder and processor in
+        ``image/`` (merged, with its LoRA adapter in ``image_adapter/``), each inside
+        ``whole(tower)`` (``TextPairModel.save_exports``)."""
         tokenizers = [self.tokenizer] if self.tokenizer is not None else []
         described: dict[str, Any] = {"max_length": self.max_length}
         if isinstance(self.image, PretrainedImageModel):
             adapter = IMAGE_DIR + "_adapter"
-            self.image.save_pretrained(
-                os.path.join(directory, IMAGE_DIR), os.path.join(directory, adapter)
-            )
+            with whole(self.image):
+                self.image.save_pretrained(
+                    os.path.join(directory, IMAGE_DIR), os.path.join(directory, adapter)
+                )
             described["image"] = {"path": IMAGE_DIR, "pooling": self.image.encoder.pooling,
                                   "projection": self.image.projection.out_features,
                                   "adapter": adapter if is_adapted(self.image.encoder.encoder)
                                   else None}  # fmt: skip
-        save_towers(self, directory, [self.text], tokenizers, described)
+        save_towers(directory, [self.text], tokenizers, described, whole)
 
 
 def image_text_forward(
@@ -301,40 +341,58 @@ def image_text_forward(
     return torch.cat([image_rows, text_rows])
 
 
-def save_towers(model: nn.Module, directory: str, towers, tokenizers, config: dict) -> None:
-    """``model``'s weights in ``model.safetensors``, each text tower's encoder and tokenizer
-    in ``tower<i>/`` (``save_pretrained``; an adapted encoder merged there, its LoRA
-    adapter in ``adapter<i>/``), and ``config.json`` describing the towers."""
+def save_weights(model: nn.Module, directory: str) -> None:
+    """``model``'s state in ``<directory>/model.safetensors``."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
     state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     save_file(state, os.path.join(directory, "model.safetensors"))
-    described = []
+
+
+def save_towers(
+    directory: str, towers, tokenizers, config: dict, whole: Whole = contextlib.nullcontext
+) -> list[tuple[int, str, nn.Linear | None]]:
+    """Each text tower's encoder and tokenizer in ``tower<i>/`` (``save_pretrained``; an
+    adapted encoder merged there, its LoRA adapter in ``adapter<i>/``), one at a time
+    inside ``whole(tower)``, and ``config.json`` describing the towers. Returns each
+    tower's head for ``export_sentence_transformer``: its width, pooling and a copy of
+    its projection."""
+    os.makedirs(directory, exist_ok=True)
+    described, heads = [], []
     for index, tower in enumerate(towers):
         path = os.path.join(directory, TOWER_DIR.format(index))
         adapter = ADAPTER_DIR.format(index) if is_adapted(tower.encoder) else None
-        if adapter:
-            save_adapted(tower.encoder, path, os.path.join(directory, adapter))
-        else:
-            tower.encoder.save_pretrained(path, safe_serialization=True)
+        with whole(tower):
+            if adapter:
+                save_adapted(tower.encoder, path, os.path.join(directory, adapter))
+            else:
+                tower.encoder.save_pretrained(path, safe_serialization=True)
+            projection = copy.deepcopy(tower.projection)  # small: kept past the tower
         if index < len(tokenizers):
             tokenizers[index].save_pretrained(path)
+        heads.append((tower.encoder.config.hidden_size, tower.pooling, projection))
         width = tower.projection.out_features if tower.projection is not None else None
         described.append({"path": TOWER_DIR.format(index), "pooling": tower.pooling,
                           "projection": width, "adapter": adapter})  # fmt: skip
     with open(os.path.join(directory, "config.json"), "w") as file:
         json.dump({"towers": described, **config}, file, indent=2)
+    return heads
 
 
 def export_sentence_transformer(
-    towers: Sequence[TextTower], tower_dirs: Sequence[str], directory: str, max_length: int | None
+    heads: Sequence[tuple[int, str, nn.Linear | None]],
+    tower_dirs: Sequence[str],
+    directory: str,
+    max_length: int | None,
 ) -> bool:
-    """``towers`` as a ``SentenceTransformer`` saved in ``directory``: each encoder (saved
-    in its ``tower_dirs`` entry), its pooling and its projection as a ``Dense`` without
-    activation; two towers as a ``Router`` of the query (anchor) and document towers,
-    which ``encode_query`` and ``encode_document`` take. Returns False (and writes
-    nothing) when sentence-transformers is not installed."""
+    """The towers saved in ``tower_dirs`` as a ``SentenceTransformer`` saved in
+    ``directory``: each encoder, read back from its directory, its pooling and its
+    projection as a ``Dense`` without activation (``heads``: each tower's width, pooling
+    and projection, as ``save_towers`` returns them); two towers as a ``Router`` of the
+    query (anchor) and document towers, which ``encode_query`` and ``encode_document``
+    take. Returns False (and writes nothing) when sentence-transformers is not
+    installed."""
     try:
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.sentence_transformer.modules import (
@@ -346,22 +404,22 @@ def export_sentence_transformer(
     except ImportError:
         return False
 
-    def modules(tower: TextTower, path: str) -> list[nn.Module]:
-        hidden = tower.encoder.config.hidden_size
-        stack = [Transformer(path, max_seq_length=max_length), Pooling(hidden, tower.pooling)]
-        if tower.projection is not None:
+    def modules(head: tuple[int, str, nn.Linear | None], path: str) -> list[nn.Module]:
+        hidden, pooling, projection = head
+        stack = [Transformer(path, max_seq_length=max_length), Pooling(hidden, pooling)]
+        if projection is not None:
             stack.append(
                 Dense(
                     hidden,
-                    tower.projection.out_features,
+                    projection.out_features,
                     activation_function=nn.Identity(),
-                    init_weight=tower.projection.weight.detach().clone(),
-                    init_bias=tower.projection.bias.detach().clone(),
+                    init_weight=projection.weight.detach().clone(),
+                    init_bias=projection.bias.detach().clone(),
                 )
             )
         return stack
 
-    stacks = [modules(tower, path) for tower, path in zip(towers, tower_dirs, strict=True)]
+    stacks = [modules(head, path) for head, path in zip(heads, tower_dirs, strict=True)]
     if len(stacks) == 2:
         stacks = [[Router.for_query_document(query_modules=stacks[0], document_modules=stacks[1])]]
     SentenceTransformer(modules=stacks[0], device="cpu").save(directory)

@@ -3,7 +3,7 @@ several methods share: the image tower, two views of an image, a queue, a teache
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from contrastive_accelerate import collectives
-from contrastive_accelerate.checkpoint_shards import load_local_state
+from contrastive_accelerate.checkpoint_shards import load_local_state, stored_under
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import TwoViewBatch, TwoViews
 from contrastive_accelerate.data.sources import ImageData, load_image_dataset
 from contrastive_accelerate.grad_cache import has_batch_statistics
 from contrastive_accelerate.knn import KnnData
 from contrastive_accelerate.launch import TrainerError
-from contrastive_accelerate.sharding import full_state, is_sharded, shard_model
+from contrastive_accelerate.sharding import is_sharded, shard_model
 from models import (
     SimCLR,
     convert_sample_dropout,
@@ -76,7 +76,9 @@ class Method:
         """``--fsdp``: shard the trained modules over the processes, in place, before the
         optimizer is made (``contrastive_accelerate.sharding``). ``embed`` must then call
         ``model`` itself, not its submodules: FSDP2 gathers the root's own weights (heads,
-        embeddings) in the root's forward."""
+        embeddings) in the root's forward; so must ``evaluate``, through the model's
+        ``sharding.EVALUATION_CALLS`` (``project_texts``, ...), as many times on every
+        rank, and ``final/`` is written one tower at a time (``final_model``)."""
         shard_model(self.model, mixed_precision)
 
     def before_optimizer_step(self, epoch: int) -> None:
@@ -280,15 +282,17 @@ def load_queue(queue: KeyQueue | None, state: dict[str, torch.Tensor]) -> None:
 
 
 def teacher_state(teacher: EMATeacher) -> dict[str, torch.Tensor]:
-    """The teacher's weights and buffers, under ``teacher.``; whole when it is sharded
-    (every rank must call it then)."""
-    return {f"teacher.{name}": value for name, value in full_state(teacher.network).items()}
+    """The teacher's weights and buffers, under ``teacher.``: a sharded teacher's as its
+    shards (``DTensor``), which a sharded checkpoint stores as they are and ``final/``
+    gathers one at a time."""
+    return {f"teacher.{name}": value for name, value in teacher.network.state_dict().items()}
 
 
-def load_teacher(teacher: EMATeacher, state: dict[str, torch.Tensor], method: str) -> dict:
-    """Load ``teacher_state``'s entries of ``state``; returns the other entries."""
+def load_teacher(teacher: EMATeacher, state: Mapping[str, torch.Tensor], method: str) -> dict:
+    """Load ``teacher_state``'s entries of ``state`` (a sharded teacher reads only its
+    rows of a sharded checkpoint's); returns the other entries."""
     prefix = "teacher."
-    weights = {name[len(prefix) :]: v for name, v in state.items() if name.startswith(prefix)}
+    weights = stored_under(state, prefix)
     if set(weights) != set(teacher.network.state_dict()):
         problem = (
             "has no teacher weights" if not weights else "has teacher weights that do not match"
@@ -298,4 +302,4 @@ def load_teacher(teacher: EMATeacher, state: dict[str, torch.Tensor], method: st
         load_local_state(teacher.network, weights)  # this rank's rows
     else:
         teacher.network.load_state_dict(weights)
-    return {name: v for name, v in state.items() if not name.startswith(prefix)}
+    return {name: state[name] for name in state if not name.startswith(prefix)}

@@ -38,6 +38,7 @@ from contrastive_accelerate.methods.pairs import (
 )
 from contrastive_accelerate.methods.simclr import shared, tiled
 from contrastive_accelerate.retrieval import paired_retrieval
+from contrastive_accelerate.sharding import reshard_after_evaluation
 from losses import InfoNCELoss, SigLIPLoss
 from models import sample_keys
 
@@ -169,12 +170,14 @@ class ImageTextMethod(PairsMethod):
         captions = first_texts(self.evaluation[self.caption_column])
 
         def images(rows):
-            pixels, _ = evaluation_images(self.evaluation, self.image_column, self.image_size,
-                                          indices=list(rows))  # fmt: skip
-            return model.image(pixels.to(parameter.device, parameter.dtype))
+            pixels = torch.zeros(0, 3, self.image_size, self.image_size)
+            if rows:
+                pixels, _ = evaluation_images(self.evaluation, self.image_column,
+                                              self.image_size, indices=list(rows))  # fmt: skip
+            return model.project_images(pixels.to(parameter.device, parameter.dtype))
 
         def texts(rows):
-            return embed_texts(model.text, self.tokenizer, [captions[i] for i in rows],
+            return embed_texts(model.project_texts, self.tokenizer, [captions[i] for i in rows],
                                model.max_length, parameter.device)  # fmt: skip
 
         figures = {}
@@ -188,14 +191,13 @@ class ImageTextMethod(PairsMethod):
                     figures |= {f"{name}_{k}": v for k, v in found.items() if k != "mrr@10"}
                 if self.template is not None and knn is not None:
                     prompts = [self.template.format(name) for name in self.class_names]
-                    classes = embed_texts(
-                        model.text, self.tokenizer, prompts, model.max_length, parameter.device
-                    )
-                    figures["zero_shot_top1"] = zero_shot_top1(
-                        ImageProjections(model.image), classes, knn
-                    )
+                    classes = embed_texts(model.project_texts, self.tokenizer, prompts,
+                                          model.max_length, parameter.device)  # fmt: skip
+                    figures["zero_shot_top1"] = zero_shot_top1(ImageProjections(model), classes,
+                                                               knn)  # fmt: skip
         finally:
             model.train()
+            reshard_after_evaluation(model)
         return figures
 
 
@@ -294,14 +296,14 @@ def clip_loss(config, model: nn.Module) -> str:
 
 
 class ImageProjections(nn.Module):
-    """An image tower's projections as ``embed``, for the zero-shot classifier."""
+    """An image-text model's image projections as ``embed``, for the zero-shot classifier."""
 
-    def __init__(self, image: nn.Module) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.image = image
+        self.model = model
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        return self.image(images)
+        return self.model.project_images(images)
 
 
 def class_names(data: PairData) -> list[str]:

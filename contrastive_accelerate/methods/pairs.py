@@ -389,8 +389,11 @@ def embed_texts(
     max_length: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """``texts`` through ``tower`` (a module or a dual encoder's ``text``) on ``device``,
-    padded to their longest and truncated to ``max_length``."""
+    """``texts`` through ``tower`` (a model's ``project_texts``) on ``device``, padded to
+    their longest and truncated to ``max_length``; no texts: the tower's (0, width)."""
+    if not texts:
+        empty = torch.zeros((0, 1), dtype=torch.int64, device=device)
+        return tower(empty, empty)
     tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
                        return_tensors="pt")  # fmt: skip
     return tower(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))

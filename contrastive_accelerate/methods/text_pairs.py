@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from contrastive_accelerate.methods.pairs import (
     text_encoder,
 )
 from contrastive_accelerate.retrieval import paired_retrieval
+from contrastive_accelerate.sharding import reshard_after_evaluation
 from losses import MultipleNegativesRankingLoss
 from models import sample_keys
 
@@ -114,12 +116,15 @@ class TextPairsMethod(PairsMethod):
         try:
             with torch.no_grad():
                 figures = paired_retrieval(
-                    lambda rows: embed_texts(model.tower(0), self.tokenizer,
-                                             [anchors[i] for i in rows], self.max_length, device),
-                    lambda rows: embed_texts(model.tower(1), self.tokenizer,
-                                             [positives[i] for i in rows], self.max_length, device),
+                    lambda rows: embed_texts(partial(model.project_texts, column=0),
+                                             self.tokenizer, [anchors[i] for i in rows],
+                                             self.max_length, device),
+                    lambda rows: embed_texts(partial(model.project_texts, column=1),
+                                             self.tokenizer, [positives[i] for i in rows],
+                                             self.max_length, device),
                     len(anchors), device,
                 )  # fmt: skip
         finally:
             model.train()
+            reshard_after_evaluation(model)
         return {f"retrieval_{name}": value for name, value in figures.items()}
