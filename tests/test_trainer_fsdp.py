@@ -5,10 +5,11 @@ and what a sharded checkpoint holds is data only.
 float64 throughout: the world sizes differ only in summation order (``EXACT`` says why
 1e-12). The towers are the tiny BERT with a hard negative (with LoRA, with activation
 checkpointing), image-text with the mlp (a replicated logit scale and bias) or a ViT,
-SimCLR, VICReg, MoCo, BYOL on ResNet-18 with SyncBatchNorm and DINO on a ViT, the last
-three with a sharded EMA teacher; 3 processes leave a rank idle on each epoch's short
-last batch. Each mechanism has its control: the local negatives, gradients
-reduced on every chunk or never, a shard of another step, a pickled metadata file.
+and on the digits evaluated after every step, VICReg, MoCo, BYOL on ResNet-18 with
+SyncBatchNorm and DINO on a ViT, the last three with a sharded EMA teacher; 3 processes
+leave a rank idle on each epoch's short last batch. Each mechanism has its control: the
+local negatives, gradients reduced on every chunk or never, a shard of another step, a
+pickled metadata file, the consolidated model's exports (every weight whole).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ PAIRS = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-lengt
 IMAGE_TEXT = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-steps", "5",
               "--columns", "image,caption", "--image-size", "8", "--knn-k", "0",
               "--num-workers", "0", "--max-length", "8"]  # fmt: skip
-# The offline digits: SimCLR and BYOL on ResNet-18 with SyncBatchNorm, DINO on a ViT with
+# The offline digits: BYOL on ResNet-18 with SyncBatchNorm, DINO on a ViT with
 # two local crops (one forward per resolution, in one chunk) and drop path.
 IMAGES = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "2", "--knn-k", "0",
           "--num-workers", "0", "--warmup-steps", "1", "--lr", "0.1"]  # fmt: skip
@@ -50,10 +51,12 @@ MLP = ("--model", "mlp", "--dropout", "0.1")
 # The kNN of the teacher at the start and after each step, and the linear probe at the end.
 EVALUATED = ("--knn-k", "20", "--eval-teacher", "--eval-every", "1")
 # The offline digits with captions: the student's kNN after each step, then retrieval
-# both ways and zero-shot, on 360 held-out images ("{{}}": the flags are formatted).
+# both ways and zero-shot, on 360 held-out images, whose margins are far above the
+# runs' 1e-15 differences (on a handful of images a near-tie flips a figure).
+# ("{{}}": the flags are formatted.)
 IMAGE_TEXT_EVALUATED = ("--columns", "image,caption", "--text-model", "scratch",
                         "--model", "mlp", "--optimizer", "adamw", "--lr", "1e-3",
-                        "--knn-k", "20", "--eval-every", "1",
+                        "--knn-k", "20", "--eval-every", "1", "--no-linear-probe",
                         "--zero-shot-template", "a handwritten {{}}")  # fmt: skip
 
 
@@ -77,7 +80,6 @@ def images(tmp_path_factory):
 @pytest.mark.parametrize(
     "runs, flags, processes",
     [
-        ("pairs", (), 2),
         ("pairs", ("--accumulation-chunks", "3"), 3),
         ("pairs", LORA, 3),
         ("pairs", ("--gradient-checkpointing", "--accumulation-chunks", "2"), 2),
@@ -85,7 +87,6 @@ def images(tmp_path_factory):
         ("image_text", (*MLP, "--accumulation-chunks", "3"), 3),
         ("image_text", (*MLP, "--loss", "siglip"), 3),
         ("image_text", ("--image-model", "{vit}"), 2),
-        ("images", ("--model", "resnet18"), 2),
         ("images", ("--model", "mlp", "--loss", "vicreg"), 2),
         ("images", ("--method", "moco", "--model", "mlp", "--queue-size", "10", *EVALUATED), 3),
         ("images", BYOL_RESNET, 3),
@@ -93,7 +94,6 @@ def images(tmp_path_factory):
         ("images", IMAGE_TEXT_EVALUATED, 3),
     ],
     ids=[
-        "pairs-W2",
         "pairs-W3-K3",
         "pairs-lora-W3",
         "pairs-checkpointing-W2-K2",
@@ -101,7 +101,6 @@ def images(tmp_path_factory):
         "mlp-W3-K3",
         "mlp-siglip-W3",
         "vit-W2",
-        "simclr-resnet18-syncbn-W2",
         "vicreg-lars-mlp-W2",
         "moco-queue-mlp-W3",
         "byol-resnet18-syncbn-W3",
