@@ -134,7 +134,8 @@ def _train(
     step = _resume(accelerator, model, optimizer, method, resume_path, state) if resume_path else 0
     check_steps(step, total_steps)
     if accelerator.is_main_process:
-        run.log({"start_step": step, **dataclasses.asdict(state)})
+        run.log({"start_step": step, "cpu_threads": torch.get_num_threads(),
+                 **dataclasses.asdict(state)})  # fmt: skip
     if own_accelerator:
         accelerator.init_trackers(config.method, config=_flat_for_trackers(config))
     # Every rank evaluates its share of the kNN bank and queries (contrastive_accelerate.knn).

@@ -64,7 +64,7 @@ def make_accelerator(
     if collective_timeout is not None:
         timeout = datetime.timedelta(seconds=collective_timeout)
         handlers.append(InitProcessGroupKwargs(timeout=timeout))
-    return Accelerator(
+    accelerator = Accelerator(
         # Without an accelerator, Accelerate launched with several processes reports
         # DistributedType.NO unless told to use the CPU: every process would train alone.
         cpu=not torch.accelerator.is_available(),
@@ -72,6 +72,33 @@ def make_accelerator(
         project_dir=output_dir,
         kwargs_handlers=handlers,
     )
+    if accelerator.num_processes == 1 and accelerator.device.type == "cpu":
+        use_every_core_unless_told()
+    return accelerator
+
+
+def use_every_core_unless_told() -> None:
+    """A lone CPU process computes on every core it may run on, unless the user chose
+    its threads. ``accelerate launch`` gives any process it starts ``OMP_NUM_THREADS=1``
+    unless the user set that variable (accelerate 1.16, ``commands/launch.py``), which
+    leaves all but one core idle; the process cannot tell that default from a user's 1
+    except by its launcher's own environment, which on Linux ``/proc`` shows. So the
+    threads change only when the parent is ``accelerate launch`` and its environment
+    had no ``OMP_NUM_THREADS``; an ``OMP_NUM_THREADS`` the user set is left as it is,
+    as are several processes (one thread each is the launcher's sound default there)."""
+    if os.environ.get("OMP_NUM_THREADS") != "1" or not hasattr(os, "sched_getaffinity"):
+        return
+    parent = f"/proc/{os.getppid()}"
+    try:
+        with open(f"{parent}/cmdline", "rb") as file:
+            command = file.read()
+        with open(f"{parent}/environ", "rb") as file:
+            environment = file.read().split(b"\0")
+    except OSError:  # not Linux, or not ours to read: leave the threads as they are
+        return
+    launched = b"accelerate" in command
+    if launched and not any(entry.startswith(b"OMP_NUM_THREADS=") for entry in environment):
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""The one-command GPU check must run the day a GPU is there: its smoke mode runs here."""
+"""The benchmarks must run the day they are needed: the GPU check's smoke mode, and lightly's
+methods through our pipeline, run here on the CPU."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def test_gpu_benchmark_smoke_mode_runs_on_the_cpu(tmp_path):
     assert [row["training"] for row in results["clip"]] == ["whole", "LoRA r16"]
     assert [row["precision"] for row in results["trainer"]] == ["no", "bf16"]
     assert "| precision | trainer.py | hand-written loop | ratio |" in result.stdout
+
+
+def test_the_lightly_comparison_runs_end_to_end_on_the_cpu():
+    """``benchmarks.lightly_methods``: lightly's DINO and BYOL through our data, backbone,
+    optimizer and evaluation, 3 small steps each."""
+    from benchmarks.lightly_methods import LIGHTLY_METHODS, lightly_run
+
+    for method in LIGHTLY_METHODS:
+        row = lightly_run(method, seed=0, quick=True)
+        print(row)
+        assert row["steps"] == 3
+        assert 0 < row["knn_top1"] <= 1 and 0 < row["linear_probe_top1"] <= 1

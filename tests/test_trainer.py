@@ -13,7 +13,9 @@ handful of entries, everything else ~1e-7). In float64 AdamW meets 1e-10.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 
@@ -23,7 +25,16 @@ from contrastive_accelerate.knn import RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.options import TrainConfig, check_launch
 
-from launch import launch, make_image_folder, one_line_errors, train_pooled
+from launch import (
+    ENV,
+    LAUNCH_TIMEOUT_S,
+    REPO,
+    launch,
+    launch_command,
+    make_image_folder,
+    one_line_errors,
+    train_pooled,
+)
 
 STEPS = "12"
 EXACT = {"float32": 1e-5, "float64": 1e-10}
@@ -264,3 +275,23 @@ def test_resume_on_a_different_number_of_processes(tmp_path):
     diff = max_abs_diff(str(tmp_path / "one" / "final"), str(tmp_path / "two" / "final"))
     print(f"1 process, resumed on 2: max abs diff {diff:.3e}")
     assert diff <= EXACT["float32"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="cores from sched_getaffinity")
+@pytest.mark.parametrize("told", [None, "1"], ids=["launcher-default", "user-set-1"])
+def test_a_lone_cpu_process_under_accelerate_launch_uses_every_core_unless_told(tmp_path, told):
+    """``accelerate launch`` gives a lone process ``OMP_NUM_THREADS=1`` unless the user set
+    it: the trainer then computes on every core. The control: the user's own 1 stays."""
+    cores = len(os.sched_getaffinity(0))
+    environment = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}
+    if told is not None:
+        environment["OMP_NUM_THREADS"] = told
+    command = launch_command(1, REPO / "trainer.py", "--model", "mlp", "--max-steps", "1",
+                             "--knn-k", "0", "--num-workers", "0", "--output-dir",
+                             str(tmp_path), launcher_flags=[])  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=REPO,
+                            timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    print(f"OMP_NUM_THREADS {told or 'unset'}, {cores} cores: {start['cpu_threads']} threads")
+    assert start["cpu_threads"] == (cores if told is None else 1)
