@@ -66,12 +66,13 @@ def save_final_model(
             problem = _write(os.path.join(partial, name), state, main and not problem) or problem
     if main and not problem:
         try:
-            template, whole = (
-                (unsharded_template(model), read_back(unsharded_template(model),
-                                                      os.path.join(partial, MODEL_FILE)))
-                if sharded else (model, contextlib.nullcontext)
-            )  # fmt: skip
-            template.save_exports(partial, whole)
+            if sharded:  # the towers read back one at a time from the file just written
+                template = unsharded_template(model)
+                template.save_exports(
+                    partial, read_back(template, os.path.join(partial, MODEL_FILE))
+                )
+            else:
+                model.save_exports(partial, contextlib.nullcontext)
             fsync_directory(partial)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
