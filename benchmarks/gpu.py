@@ -165,12 +165,10 @@ def trainer_table(
             samples_per_s[f"trainer_{compiler}"] = []
         for _ in range(repeats):
             # A fresh process each: AcceleratorState is one per process. The smoke test
-            # runs every kind of one precision in one process, resetting that state.
+            # runs them all in this process, resetting that state between them.
             if smoke:
-                values = in_fresh_process(
-                    "benchmarks.gpu", "_trainer_kinds_here", device, precision,
-                    list(samples_per_s), steps, batch_size, model,
-                )  # fmt: skip
+                values = _trainer_kinds_here(device, precision, list(samples_per_s), steps,
+                                             batch_size, model)  # fmt: skip
             else:
                 values = {
                     kind: in_fresh_process(
@@ -347,11 +345,10 @@ def _clip_kinds_here(device: str, precision: str, steps: int, batch_size: int,
 
 def clip_table(device: str, quick: bool) -> list[dict]:
     """``_clip_here`` whole and with LoRA, each in a fresh process, in bf16 on a GPU (the
-    smoke test: both in one process)."""
+    smoke test: both in this process)."""
     precision = "no" if quick else "bf16"
     if quick:
-        results = in_fresh_process("benchmarks.gpu", "_clip_kinds_here", device, precision, 3, 8,
-                                   "quick")  # fmt: skip
+        results = _clip_kinds_here(device, precision, 3, 8, "quick")
     else:
         results = [in_fresh_process("benchmarks.gpu", "_clip_here", device, precision, lora, 30,
                                     256, "full") for lora in (False, True)]  # fmt: skip
@@ -370,13 +367,12 @@ def clip_table(device: str, quick: bool) -> list[dict]:
 def fsdp_table(device: str, quick: bool) -> list[dict]:
     """A BERT-large-sized and a ViT-L-sized tower, whole and under ``--fsdp``'s
     ``shard_model`` in a world of one process on NCCL (``benchmarks.fsdp.gpu_here``), each
-    in a fresh process: samples/s and peak memory (the smoke test: tiny ones, in one)."""
+    in a fresh process: samples/s and peak memory (the smoke test: tiny ones, in this
+    process)."""
     if quick:
-        rows = in_fresh_process("benchmarks.fsdp", "gpu_rows_here", device,
-                                ["tiny-bert", "tiny-vit"], 2, 4, timeout=600)  # fmt: skip
-        if "error" in rows:
-            raise RuntimeError(f"FSDP: {rows['error']}")
-        return rows
+        from benchmarks.fsdp import gpu_rows_here
+
+        return gpu_rows_here(device, ["tiny-bert", "tiny-vit"], 2, 4)
     rows = []
     for tower in ("bert-large", "vit-l"):
         for sharded in (False, True):

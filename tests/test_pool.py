@@ -6,9 +6,10 @@ instead of a new ``accelerate launch`` each. That is only sound if a run cannot 
 an earlier run in the same worker left behind, and if the pool's ranks are the
 launcher's. Checked here:
 
-- each family (the SimCLR family, the momentum teachers, text pairs and image-text
-  pairs, the last two importing transformers inside the run) once under ``accelerate
-  launch`` on 2 processes, end to end, against the same command in the pool;
+- each kind of run (the SimCLR family and the momentum teachers through MoCo; pairs
+  through image-text, whose text tower imports transformers inside the run, as text
+  pairs' does) once under ``accelerate launch`` on 2 processes, end to end, against the
+  same command in the pool;
 - MoCo with the most state a worker could carry (float64, random augmentations,
   per-sample dropout, a teacher, a queue, checkpoints) twice in one pool.
 
@@ -38,9 +39,6 @@ FAMILIES = {
              "--dropout", "0.1", "--dtype", "float64", "--batch-size", "6", "--augment",
              "--lr", "0.1", "--max-steps", "5", "--save-every", "3", "--log-every", "1",
              "--knn-k", "0"],
-    "text-pairs": ["--dtype", "float64", "--batch-size", "6", "--max-length", "8",
-                   "--max-steps", "5", "--num-workers", "0",
-                   "--columns", "anchor,positive,negative_1"],
     "image-text": ["--dtype", "float64", "--batch-size", "6", "--max-steps", "5",
                    "--columns", "image,caption", "--model", "mlp", "--image-size", "8",
                    "--dropout", "0.1", "--knn-k", "0", "--num-workers", "0",
@@ -48,7 +46,6 @@ FAMILIES = {
 }  # fmt: skip
 #: The session fixtures each family trains on: its dataset, then its text model if any.
 DATA = {"moco": ["image_folder"],
-        "text-pairs": ["sentence_pairs", "tiny_bert"],
         "image-text": ["captioned_images", "tiny_bert"]}  # fmt: skip
 
 

@@ -29,7 +29,6 @@ from launch import (
     ENV,
     LAUNCH_TIMEOUT_S,
     REPO,
-    launch,
     launch_command,
     make_image_folder,
     one_line_errors,
@@ -222,7 +221,7 @@ def test_bad_input_unknown_dataset_path(tmp_path):
 
 
 def test_bad_input_batch_size_not_divisible(tmp_path):
-    result = launch(
+    result = train_pooled(
         2, "--model", "mlp", "--batch-size", "7", "--output-dir", str(tmp_path), check=False
     )
     one_line_errors(result, "divisible by the 2 processes", 2)

@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 from launch import (
     TrainerRuns,
     final_files_difference,
-    launch,
     one_chunk,
     one_line_errors,
     train_pooled,
@@ -132,10 +131,10 @@ def test_the_offline_digits_example_prints_a_zero_shot_accuracy_computed_from_fi
     from models.text import ImageTextModel
 
     output = tmp_path / "run"
-    result = launch(1, "--columns", "image,caption", "--text-model", "scratch", "--model", "mlp",
-                    "--max-steps", "20", "--optimizer", "adamw", "--lr", "1e-3",
-                    "--zero-shot-template", "a handwritten {}", "--no-linear-probe",
-                    "--output-dir", str(output))  # fmt: skip
+    result = train_pooled(1, "--columns", "image,caption", "--text-model", "scratch",
+                          "--model", "mlp", "--max-steps", "20", "--optimizer", "adamw",
+                          "--lr", "1e-3", "--zero-shot-template", "a handwritten {}",
+                          "--no-linear-probe", "--output-dir", str(output))  # fmt: skip
     logged = [json.loads(line) for line in (output / "metrics.jsonl").open()]
     (printed,) = [r["zero_shot_top1"] for r in logged if "zero_shot_top1" in r]
     assert f"zero-shot top-1 (360 held-out images): {printed:.1%}" in result.stdout
