@@ -7,10 +7,14 @@ methods interleaved round by round in one process (median over rounds; each step
 ``after_step``). The EMA update is timed alone on the same model. The loader rate is
 DINO's multi-crop dataset (2 global crops of 8 px, 6 local of 4 px) through a
 ``DataLoader`` with 0 and 2 workers. kNN runs the README's first command with
-``--method NAME`` for each method, at the default run's budget, one after another.
+``--method NAME --seed S`` for each method and seed, at the default run's budget, one
+after another; beside DINO and BYOL, lightly's own implementation of the method through
+the same data, backbone, optimizer, budget and evaluation (``benchmarks.lightly_methods``),
+each run in a fresh process. Accuracies are the mean, min and max over the seeds.
 
-    python -m benchmarks.methods            # ~25 min on 2 cores, most of it the kNN runs
-    python -m benchmarks.methods --quick    # small sizes, 20 training steps per method
+    python -m benchmarks.methods              # 3 seeds: hours on 2 cores (the kNN runs)
+    python -m benchmarks.methods --seeds 1    # one seed
+    python -m benchmarks.methods --quick      # small sizes, 20 training steps per method
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ from pathlib import Path
 import torch
 
 from benchmarks import standalone
+from benchmarks.fresh_process import in_fresh_process
+from benchmarks.lightly_methods import LIGHTLY_METHODS
 from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
+#: The methods that train an image encoder from unlabelled images (``pairs`` needs pairs).
+IMAGE_METHODS = ("simclr", "moco", "byol", "dino")
 #: An epoch past any frozen ones (DINO's last layer): the steps timed are the steady state's.
 STEADY_EPOCH = 10**9
 
@@ -63,8 +71,8 @@ def _step(method, optimizer, batch, step: int) -> None:
 
 def step_times(batch_size: int, rounds: int) -> list[dict]:
     data = load_image_dataset(None)
-    built = {name: _built(name, batch_size, data) for name in METHODS}
-    seconds: dict[str, list[float]] = {name: [] for name in METHODS}
+    built = {name: _built(name, batch_size, data) for name in IMAGE_METHODS}
+    seconds: dict[str, list[float]] = {name: [] for name in IMAGE_METHODS}
     for step in range(rounds + 1):  # the first round warms up
         for name, (method, optimizer, batch) in built.items():
             started = time.perf_counter()
@@ -105,12 +113,15 @@ def multicrop_rate(batch_size: int, batches: int) -> list[dict]:
     return rows
 
 
-def knn_run(name: str, extra: list[str]) -> dict:
+def knn_run(name: str, extra: list[str], seed: int = 0) -> dict:
+    """The README's first command with ``--method name --seed seed``: its figures, the
+    random-init encoder's kNN (step 0) included."""
     with tempfile.TemporaryDirectory() as output:
         command = [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO / "accelerate_configs" / "single_process.yaml"),
-            str(REPO / "trainer.py"), "--method", name, "--output-dir", output, *extra,
+            str(REPO / "trainer.py"), "--method", name, "--seed", str(seed),
+            "--output-dir", output, *extra,
         ]  # fmt: skip
         env = {"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         started = time.perf_counter()
@@ -119,17 +130,19 @@ def knn_run(name: str, extra: list[str]) -> dict:
         )
         seconds = time.perf_counter() - started
         if result.returncode != 0:
-            return {"method": name, "error": result.stderr[-500:]}
-        row = {"method": name, "seconds": seconds}
+            return {"method": name, "seed": seed, "error": result.stderr[-500:]}
+        row = {"implementation": "ours", "method": name, "seed": seed, "seconds": seconds}
         for line in Path(output, "metrics.jsonl").read_text().splitlines():
             record = json.loads(line)
+            if record.get("step") == 0 and "knn_top1" in record:
+                row["knn_top1_init"] = record["knn_top1"]
             for key in ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"):
                 if key in record:
                     row[key] = record[key]
     return row
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, seeds: int = 3) -> dict:
     extra = ["--max-steps", "20"] if quick else []
     results = {
         "steps": step_times(batch_size=16 if quick else 128, rounds=2 if quick else 7),
@@ -137,34 +150,55 @@ def run(quick: bool) -> dict:
         "knn_extra_args": extra,
         "knn": [],
     }
-    for name in METHODS:
-        results["knn"].append(knn_run(name, extra))
-        print(f"methods: kNN of {name}: {results['knn'][-1]}", flush=True)
+    for name in IMAGE_METHODS:
+        for seed in range(seeds):
+            results["knn"].append(knn_run(name, extra, seed))
+            print(f"methods: {results['knn'][-1]}", flush=True)
+            if name in LIGHTLY_METHODS:
+                row = in_fresh_process("benchmarks.lightly_methods", "lightly_run", name, seed,
+                                       quick)  # fmt: skip
+                results["knn"].append({"method": name, "seed": seed, **row})
+                print(f"methods: {results['knn'][-1]}", flush=True)
     return results
+
+
+def _spread(rows: list[dict], key: str) -> str:
+    """``mean [min, max]`` of ``key`` over ``rows`` as percentages; n/a when none has it."""
+    values = [row[key] for row in rows if key in row]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.1%}"
+    return f"{statistics.mean(values):.1%} [{min(values):.1%}, {max(values):.1%}]"
 
 
 def table_lines(results: dict) -> list[str]:
     simclr = next(row["step_s"] for row in results["steps"] if row["method"] == "simclr")
+    seeds = sorted({row["seed"] for row in results["knn"]})
     lines = [
         "| `--method` | step (ms) | vs simclr | EMA update (ms, share of the step) "
-        "| kNN top-1 | linear probe | run (s) |",
-        "|---|---|---|---|---|---|---|",
+        f"| kNN top-1 ({len(seeds)} seed{'s' * (len(seeds) != 1)}: mean [min, max]) "
+        "| linear probe "
+        "| lightly's kNN top-1 | lightly's linear probe | run (s, median) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    knn = {row["method"]: row for row in results["knn"]}
+    ours = [row for row in results["knn"] if row.get("implementation") == "ours"]
     for row in results["steps"]:
         ema = (
             f"{row['ema_s'] * 1e3:.1f} ({row['ema_s'] / row['step_s']:.1%})"
             if row["ema_s"] is not None
             else "none"
         )
-        evaluation = knn.get(row["method"], {})
-        accuracy = evaluation.get("knn_top1")
-        probe = evaluation.get("linear_probe_top1")
+        method = [evaluation for evaluation in ours if evaluation["method"] == row["method"]]
+        lightly = [evaluation for evaluation in results["knn"]
+                   if evaluation.get("implementation") == "lightly"
+                   and evaluation["method"] == row["method"]]  # fmt: skip
+        seconds = [evaluation["seconds"] for evaluation in method if "seconds" in evaluation]
         lines.append(
             f"| `{row['method']}` | {row['step_s'] * 1e3:.0f} | {row['step_s'] / simclr:.2f}x "
-            f"| {ema} | {'n/a' if accuracy is None else f'{accuracy:.1%}'} "
-            f"| {'n/a' if probe is None else f'{probe:.1%}'} "
-            f"| {evaluation.get('seconds', float('nan')):.0f} |"
+            f"| {ema} | {_spread(method, 'knn_top1')} | {_spread(method, 'linear_probe_top1')} "
+            f"| {_spread(lightly, 'knn_top1')} | {_spread(lightly, 'linear_probe_top1')} "
+            f"| {statistics.median(seconds) if seconds else float('nan'):.0f} |"
         )
     dino = next(row["step_s"] for row in results["steps"] if row["method"] == "dino")
     batch = 16 if results["knn_extra_args"] else 128
@@ -172,13 +206,18 @@ def table_lines(results: dict) -> list[str]:
         f"{row['samples_per_s']:.0f} samples/s with {row['workers']} workers"
         for row in results["multicrop"]
     )
-    raw = next((row.get("raw_pixels_knn_top1") for row in results["knn"]), None)
+    raw = next((row.get("raw_pixels_knn_top1") for row in ours), None)
+    errors = [f"{row['method']} seed {row['seed']}: {row['error']}"
+              for row in results["knn"] if "error" in row]  # fmt: skip
     lines += [
         "",
         f"Multi-crop loader (2 x 8 px + 6 x 4 px crops per digit): {rates}; DINO's step "
         f"consumes {batch / dino:.0f} samples/s. kNN on raw pixels of the same held-out "
-        f"digits: {'n/a' if raw is None else f'{raw:.1%}'}. Extra arguments of the kNN runs: "
+        f"digits: {'n/a' if raw is None else f'{raw:.1%}'}; of the random-init encoder (the "
+        f"runs' step 0, every method and seed): {_spread(ours, 'knn_top1_init')}. Seeds: "
+        f"{', '.join(map(str, seeds))}. Extra arguments of the kNN runs: "
         f"{' '.join(results['knn_extra_args']) or '(none: the default budget)'}.",
+        *(f"Failed: {error}" for error in errors),
     ]
     return lines
 
@@ -186,9 +225,10 @@ def table_lines(results: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 20 training steps")
+    parser.add_argument("--seeds", type=int, default=3, help="training seeds 0..N-1 per method")
     parser.add_argument("--output", default="benchmarks/results.json")
     args = parser.parse_args()
-    results = run(args.quick)
+    results = run(args.quick, args.seeds)
     standalone.merge(args.output, "methods", results)
     lines = table_lines(results)
     print("\n".join(lines))
