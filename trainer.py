@@ -26,7 +26,14 @@ from tqdm.auto import tqdm
 from contrastive_accelerate.checkpoint import CheckpointError, RunState, resume
 from contrastive_accelerate.compat import forget_prepared, prepared_count
 from contrastive_accelerate.config import parse_args, resume_rules
-from contrastive_accelerate.data import batches_per_epoch, train_loader, workers_stopped_on_exit
+from contrastive_accelerate.data import (
+    BadRow,
+    UnreadableImage,
+    batches_per_epoch,
+    described,
+    train_loader,
+    workers_stopped_on_exit,
+)
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.knn import KnnData, RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import make_accelerator, one_line_errors
@@ -97,7 +104,10 @@ def _train(
     data = METHODS[config.method].load(config)
     accelerator.print(data.evaluation_source)
     check_data(config, data)
-    steps_per_epoch = batches_per_epoch(len(data.train), config.batch_size, config.drop_last)
+    if config.streaming:  # no epochs: the streams are read once, for --max-steps
+        steps_per_epoch = config.max_steps
+    else:
+        steps_per_epoch = batches_per_epoch(len(data.train), config.batch_size, config.drop_last)
     total_steps = config.max_steps or config.epochs * steps_per_epoch
 
     # Method and optimizer
@@ -128,9 +138,9 @@ def _train(
     learning_rate = warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model, optimizer and method state; the step gives the data position and the lr.
-    state = RunState(
-        dataclasses.asdict(config), len(data.train), accelerator.num_processes, method.inputs
-    )
+    samples, data_inputs = described(data.train)
+    state = RunState(dataclasses.asdict(config), samples, accelerator.num_processes,
+                     {**method.inputs, **data_inputs})  # fmt: skip
     step = _resume(accelerator, model, optimizer, method, resume_path, state) if resume_path else 0
     check_steps(step, total_steps)
     if accelerator.is_main_process:
@@ -183,7 +193,7 @@ def _train(
                 epoch, first_batch = divmod(step, steps_per_epoch)
                 sampler.set_epoch(epoch, first_batch)
                 for batch in loader:
-                    stop, skipped = _stop_requested(signals, batch, config.skip_bad_images)
+                    stop, skipped = _stop_requested(signals, batch, config)
                     if stop:
                         preempted = signals.requested or "a signal to another rank"
                         if step != saved_step:
@@ -266,20 +276,22 @@ def _train(
     return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)
 
 
-def _stop_requested(signals: StopSignals, batch, skip_bad_images: bool) -> tuple[bool, bool]:
-    """Whether any rank was signalled to stop, and whether any rank skipped an image (its
+def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[bool, bool]:
+    """Whether any rank was signalled to stop, and whether any rank skipped a sample (its
     share is then smaller than the sampler's). One exchange per step, before any other
     collective of the step, on the host, also says whether any rank drew an unreadable
-    image: an error on every rank, or skipped and said with ``--skip-bad-images``."""
-    stop, broken, skipped = any_rank(
-        signals.requested is not None,
-        bool(batch.unreadable) and not skip_bad_images,
-        bool(batch.unreadable),
+    image or a stream's unusable row: an error on every rank, or skipped and said with
+    ``--skip-bad-images`` or ``--skip-bad-rows``."""
+    skip = {UnreadableImage: config.skip_bad_images, BadRow: config.skip_bad_rows}
+    flags = {UnreadableImage: "--skip-bad-images", BadRow: "--skip-bad-rows"}
+    broken = [error for error in batch.unreadable if not skip[type(error)]]
+    stop, any_broken, skipped = any_rank(
+        signals.requested is not None, bool(broken), bool(batch.unreadable)
     )
-    if broken:
-        raise_together(batch.unreadable[0] if batch.unreadable else None)
-    for image in batch.unreadable:
-        print(f"warning: skipping {image} (--skip-bad-images)", flush=True)
+    if any_broken:
+        raise_together(broken[0] if broken else None)
+    for error in batch.unreadable:
+        print(f"warning: skipping {error} ({flags[type(error)]})", flush=True)
     return stop, skipped
 
 

@@ -41,6 +41,8 @@ from models.text import POOLINGS
 from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
+#: What only ``--streaming`` reads.
+STREAMING_OPTIONS = ("streams", "shuffle_buffer", "skip_bad_rows")
 
 
 @dataclass
@@ -74,6 +76,17 @@ class TrainConfig:
         None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
     )
     skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
+    streaming: bool = option(
+        False, "read --dataset's shards (tar, jsonl, parquet) in order, as streams; --max-steps"
+    )
+    streams: int | None = option(
+        None, "--streaming: shard groups each global batch draws from; none: min(8, shards)",
+        at_least=1,
+    )  # fmt: skip
+    shuffle_buffer: int = option(1000, "--streaming: rows each stream shuffles", at_least=1)
+    skip_bad_rows: bool = option(
+        False, "--streaming: skip unusable rows (a bad JSON line, a missing member) instead"
+    )
     num_workers: int | None = option(
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
     )
@@ -282,6 +295,7 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         METHODS[method].check(self)  # first: --image-model replaces --model's tower
+        self._check_streaming()
         if self.gradient_checkpointing and self.model == "mlp" and self.chosen_method != "pairs":
             raise ConfigError(
                 "--gradient-checkpointing applies to the resnets, the vits and transformers "
@@ -293,6 +307,30 @@ class TrainConfig:
             raise ConfigError(
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
             )
+
+    def _check_streaming(self) -> None:
+        if not self.streaming:
+            for name in STREAMING_OPTIONS:
+                if is_set(self, name):
+                    raise ConfigError(f"{flag(name)} applies with --streaming")
+            return
+        if self.dataset is None:
+            raise ConfigError("--streaming needs --dataset: a folder or a glob of shards")
+        if self.max_steps is None:
+            raise ConfigError(
+                "--streaming needs --max-steps: a stream's length is not known up front"
+            )
+        if self.chosen_method != "pairs":
+            raise ConfigError(
+                "--streaming trains --method pairs (text pairs, image-text) for now, not "
+                f"{self.chosen_method}"
+            )
+        for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
+            if is_set(self, name):
+                raise ConfigError(
+                    f"{flag(name)} does not apply with --streaming (no epochs, no held-out rows, "
+                    "no look ahead)"
+                )
 
     @property
     def chosen_method(self) -> str:
@@ -404,7 +442,9 @@ def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator:
 
 def check_data(config: TrainConfig, data) -> None:
     """Refuse what the options ask of these data (``config`` resolved)."""
-    if batches_per_epoch(len(data.train), config.batch_size, config.drop_last) == 0:
+    # A stream has no length (``StreamBatches`` refuses fewer streams than processes).
+    if not config.streaming and batches_per_epoch(len(data.train), config.batch_size,
+                                                  config.drop_last) == 0:  # fmt: skip
         raise TrainerError(
             f"--batch-size {config.batch_size} exceeds the {len(data.train)} training samples "
             "with --drop-last"

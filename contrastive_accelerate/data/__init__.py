@@ -6,6 +6,7 @@ One module per concern:
 - ``decoding``: stored images as tensors, unreadable ones named;
 - ``augmentation``: each sample's views drawn from (seed, epoch, index) alone;
 - ``sampler``: the global batch from (seed, epoch) and each rank's contiguous share;
+- ``streams``: shards read in order as streams, the same global batches on any W;
 - ``loader``: one DataLoader for the run, its persistent workers stopped on exit.
 """
 
@@ -35,19 +36,24 @@ from contrastive_accelerate.data.sources import (
     label_ids,
     load_image_dataset,
 )
+from contrastive_accelerate.data.streams import BadRow, ShardStreams, StreamBatches, described
 
 __all__ = [
     "NORMALIZE",
+    "BadRow",
     "DataError",
     "GlobalBatchSampler",
     "ImageData",
     "MultiCrop",
     "MultiCropBatch",
+    "ShardStreams",
+    "StreamBatches",
     "TwoViewBatch",
     "TwoViews",
     "UnreadableImage",
     "batches_per_epoch",
     "derive_seed",
+    "described",
     "evaluation_images",
     "label_ids",
     "load_image_dataset",

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from contrastive_accelerate.compat import shutdown_workers
 from contrastive_accelerate.data.sampler import GlobalBatchSampler
+from contrastive_accelerate.data.streams import ShardStreams, StreamBatches
 from contrastive_accelerate.preemption import ignore_stop_signals
 
 
@@ -25,34 +26,37 @@ def train_loader(
     num_workers: int | None,
     padded_batches: bool = False,
     duplicate_keys=None,
-) -> tuple[DataLoader, GlobalBatchSampler]:
+) -> tuple[DataLoader, GlobalBatchSampler | StreamBatches]:
     """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
     the first batch. Its workers persist across epochs (safe: each item's randomness
     depends on its (epoch, index), not on the worker). ``num_workers`` None: one per
     spare core of this process's share of the machine, at most 4. ``padded_batches``:
     Accelerate's own sharding, whose ``even_batches`` pads a short last batch with
     repeated samples (a negative control). ``duplicate_keys``: no global batch holds two
-    samples sharing a key (``sampler.without_duplicates``)."""
+    samples sharing a key (``sampler.without_duplicates``). A dataset of a stream
+    (``ShardStreams`` rows, ``dataset.item`` and ``dataset.problem``) is read by
+    ``StreamBatches``, the loop's sampler then."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
+    if num_workers is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        num_workers = min(4, max(0, (cores or 1) // local_processes - 1))
+    if isinstance(
+        getattr(dataset, "dataset", None), ShardStreams
+    ):  # its own batches: see data.streams
+        stream = StreamBatches(dataset.dataset, dataset.item, dataset.collate, dataset.problem,
+                               batch_size, seed, rank, world_size)  # fmt: skip
+        return DataLoader(stream, batch_size=None, **_workers(num_workers, accelerator)), stream
     if padded_batches:  # Accelerate shards whole global batches itself
         rank, world_size = 0, 1
     sampler = GlobalBatchSampler(
         len(dataset), batch_size, 0, seed, rank, world_size, drop_last=drop_last,
         duplicate_keys=duplicate_keys,
     )  # fmt: skip
-    if num_workers is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-        num_workers = min(4, max(0, (cores or 1) // local_processes - 1))
     loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=dataset.collate,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        pin_memory=accelerator.device.type == "cuda",
-        worker_init_fn=ignore_stop_signals if num_workers else None,
-    )
+        dataset, batch_sampler=sampler, collate_fn=dataset.collate,
+        **_workers(num_workers, accelerator),
+    )  # fmt: skip
     if padded_batches:
         loader = prepare_data_loader(
             loader,
@@ -62,6 +66,15 @@ def train_loader(
             even_batches=True,
         )
     return loader, sampler
+
+
+def _workers(num_workers: int, accelerator: Accelerator) -> dict:
+    return dict(
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=accelerator.device.type == "cuda",
+        worker_init_fn=ignore_stop_signals if num_workers else None,
+    )
 
 
 @contextlib.contextmanager

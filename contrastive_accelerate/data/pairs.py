@@ -51,6 +51,13 @@ class PairData:
     evaluation_source: str = "retrieval evaluation: off"
 
     @property
+    def streamed(self) -> bool:
+        """Whether ``train`` is shards read as streams (``data.streams.ShardStreams``)."""
+        from contrastive_accelerate.data.streams import ShardStreams
+
+        return isinstance(self.train, ShardStreams)
+
+    @property
     def text_columns(self) -> tuple[str, ...]:
         return tuple(column for column in self.columns if column != self.image_column)
 
@@ -108,6 +115,79 @@ def load_pair_dataset(
     if data.evaluation is not None:
         check_texts(data.evaluation, texts, "evaluation")
     return _image_text(data, columns)
+
+
+def load_streamed_pairs(
+    dataset: str, columns: tuple[str, ...], streams: int | None, shuffle_buffer: int
+) -> PairData:
+    """The shards of ``dataset`` as streams (``data.streams``), ``columns`` checked on the
+    first shard's first row: each an image (a tar's image member, or ``{"bytes", "path"}``)
+    or a text (a string, or a list of strings). No evaluation split: a stream has no
+    held-out rows."""
+    from contrastive_accelerate.data.streams import find_shards
+
+    if len(columns) < 2 or len(set(columns)) != len(columns):
+        raise DataError(f"--columns {','.join(columns)}: give two or more different columns")
+    source = find_shards(dataset, streams, shuffle_buffer)
+    first = source.first_rows(1)
+    if not first:
+        raise DataError(f"the first shard {source.shards[0]!r} holds no readable rows")
+    row = first[0]
+    missing = [column for column in columns if column not in row]
+    if missing:
+        found = ", ".join(name for name in row if not name.startswith("__"))
+        raise DataError(f"{row['__source__']}: no column {missing[0]!r} (columns: {found})")
+    images = [column for column in columns if _is_image(row[column])]
+    for column in columns:
+        if column not in images and row_problem(row, [column]):
+            raise DataError(row_problem(row, [column]))
+    if images and (len(images) > 1 or len(columns) != 2):
+        raise DataError(
+            f"--columns {','.join(columns)}: image-text pairs are one image column and one "
+            f"text column (image columns: {', '.join(images)})"
+        )
+    return PairData(
+        source, columns, images[0] if images else None,
+        evaluation_source="evaluation: off (a stream has no held-out rows)",
+    )  # fmt: skip
+
+
+def _is_image(value) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("bytes"), bytes)
+
+
+def row_problem(
+    row: dict, text_columns: Sequence[str], image_column: str | None = None
+) -> str | None:
+    """Why a stream's ``row`` cannot be a sample (a column missing, a text column that is
+    neither a text nor a non-empty list of texts), naming where it came from; None if it
+    can."""
+    for column in (*([image_column] if image_column else []), *text_columns):
+        if column not in row:
+            return f"{row['__source__']}: no column {column!r}"
+    for column in text_columns:
+        value = row[column]
+        texts = [value] if isinstance(value, str) else value
+        if not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
+            return (
+                f"{row['__source__']}: column {column!r} holds {value!r}, neither a text nor a "
+                "non-empty list of texts"
+            )
+    return None
+
+
+def training_texts(data: PairData, columns: Sequence[str]) -> list[str]:
+    """Every text of ``columns`` in the training split, each of a row's list; of a
+    stream, those of its first shard: what start-up can read (a scratch tower's
+    vocabulary, the truncation notice)."""
+    if data.streamed:
+        rows = data.train.first_rows()
+        values = [
+            row[column] for row in rows for column in columns if not row_problem(row, [column])
+        ]
+    else:
+        values = [value for column in columns for value in data.train[column]]
+    return [text for value in values for text in ([value] if isinstance(value, str) else value)]
 
 
 def check_texts(dataset, columns: Sequence[str], split: str) -> None:
@@ -173,12 +253,11 @@ def _digits_with_captions(columns: tuple[str, ...], image_options: dict) -> Pair
     return _image_text(data, columns)
 
 
-def count_truncated(texts: list, tokenizer, max_length: int) -> tuple[int, int]:
-    """How many of ``texts`` (strings or lists of them) have more than ``max_length``
-    tokens, special tokens included, and how many texts there are."""
-    flat = [text for value in texts for text in ([value] if isinstance(value, str) else value)]
-    lengths = tokenizer(flat, truncation=False, add_special_tokens=True)["input_ids"]
-    return sum(len(ids) > max_length for ids in lengths), len(flat)
+def count_truncated(texts: list[str], tokenizer, max_length: int) -> tuple[int, int]:
+    """How many of ``texts`` have more than ``max_length`` tokens, special tokens
+    included, and how many texts there are."""
+    lengths = tokenizer(texts, truncation=False, add_special_tokens=True)["input_ids"]
+    return sum(len(ids) > max_length for ids in lengths), len(texts)
 
 
 def text_keys(dataset, columns: Sequence[str]) -> list[tuple[int, ...]]:
@@ -233,7 +312,14 @@ class TextColumns(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[list[list[int]], int]:
         epoch, index = item
-        row = self.dataset[index]
+        return self.item(self.dataset[index], epoch, index)
+
+    def problem(self, row: dict) -> str | None:
+        """Why a stream's ``row`` cannot be a sample, if it cannot (``row_problem``)."""
+        return row_problem(row, self.columns)
+
+    def item(self, row: dict, epoch: int, index: int) -> tuple[list[list[int]], int]:
+        """Sample ``(epoch, index)`` from its ``row``: of a table, or of a stream."""
         texts = [caption_of(row[column], self.seed, epoch, index) for column in self.columns]
         encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         return encoded["input_ids"], index
@@ -316,7 +402,14 @@ class ImageCaptions(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]):
         epoch, index = item
-        row = self.dataset[index]
+        return self.item(self.dataset[index], epoch, index)
+
+    def problem(self, row: dict) -> str | None:
+        """Why a stream's ``row`` cannot be a sample, if it cannot (``row_problem``)."""
+        return row_problem(row, [self.caption_column], self.image_column)
+
+    def item(self, row: dict, epoch: int, index: int):
+        """Sample ``(epoch, index)`` from its ``row``: of a table, or of a stream."""
         view = self.images(
             row[self.image_column], epoch, index, lambda image: NORMALIZE(self.augment(image))
         )

@@ -14,7 +14,13 @@ from torch import nn
 
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.config import ConfigError, flag, is_set
-from contrastive_accelerate.data.pairs import PairData, count_truncated, load_pair_dataset
+from contrastive_accelerate.data.pairs import (
+    PairData,
+    count_truncated,
+    load_pair_dataset,
+    load_streamed_pairs,
+    training_texts,
+)
 from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.launch import TrainerError
@@ -98,6 +104,8 @@ class PairsMethod(Method):
 def pair_data(config) -> PairData:
     """The columns of ``--dataset`` named by ``--columns``: text, or an image and text."""
     columns = tuple(column.strip() for column in config.columns.split(","))
+    if config.streaming:
+        return load_streamed_pairs(config.dataset, columns, config.streams, config.shuffle_buffer)
     return load_pair_dataset(config.dataset, columns, **dataset_options(config))
 
 
@@ -232,8 +240,7 @@ def text_encoder(config, data: PairData, columns):
     from models.text import SCRATCH, load_text_encoder, scratch_text_encoder
 
     if config.text_model == SCRATCH:
-        texts = [text for column in columns for value in data.train[column]
-                 for text in ([value] if isinstance(value, str) else value)]  # fmt: skip
+        texts = training_texts(data, columns)
         encoder, tokenizer = scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
     else:
         if reason := unreachable_reason(config.text_model, "models"):
@@ -367,12 +374,11 @@ def say_truncated(data: PairData, columns, tokenizer, max_length: int, say: Say)
     the main process, the one that prints it."""
     if is_distributed() and torch.distributed.get_rank() != 0:
         return
-    truncated, total = count_truncated(
-        [value for column in columns for value in data.train[column]], tokenizer, max_length
-    )
+    truncated, total = count_truncated(training_texts(data, columns), tokenizer, max_length)
     if truncated:
+        texts = "texts of the first shard" if data.streamed else "texts"
         say(
-            f"notice: {truncated} of {total} texts are longer than --max-length {max_length} "
+            f"notice: {truncated} of {total} {texts} are longer than --max-length {max_length} "
             "tokens and are truncated"
         )
 

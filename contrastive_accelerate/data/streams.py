@@ -1,0 +1,316 @@
+"""Streamed shards (``--streaming``): the same global batches on 1 or N processes, read in
+order, never whole.
+
+The design, and why each part is there:
+
+- **Shards.** ``--dataset`` names a folder or a glob of shards of one format: webdataset
+  tar files (each sample's members share a key; its columns are the members'
+  extensions, ``png``, ``jpg``, ``txt``, ``json``, ``cls``, as ``datasets``' webdataset
+  builder names them), jsonl or parquet files. They are sorted by name. Nothing is read
+  with random access, and nothing needs the number of rows up front.
+- **Streams.** Shard i belongs to stream ``i mod V`` (``--streams V``; default
+  ``min(8, shards)``). V is fixed by the data and the option, never by the number of
+  processes or loader workers: that is what makes the order theirs alone.
+- **Passes.** A stream is an endless sequence of passes over its shards. Pass e reads
+  them in an order drawn from (seed, stream, e), through a shuffle buffer of
+  ``--shuffle-buffer`` rows drawn from the same seed and emptied at the pass's end. Row
+  p of stream v's pass e is sample ``(epoch=e, index=p * V + v)``: its augmentation,
+  caption draw and dropout keys come from that id, as a table's come from (epoch, row).
+- **Global batches.** Step t takes rows ``[t * n_v, (t + 1) * n_v)`` of stream v's
+  sequence of passes, ``n_v`` its share of the global batch (``share_sizes(B, V)``), and
+  orders them stream after stream.
+- **Ranks.** Rank r owns the contiguous streams ``tensor_split(range(V), W)[r]`` and
+  reads only those: its share is its streams' rows, and the shares in rank order are the
+  global batch. Shares may be uneven (V not a multiple of W), which the losses allow;
+  W > V is refused.
+- **Resume.** Step t's rows are a function of t: a resumed run, on any number of
+  processes, skips each stream to row ``t * n_v`` by reading, without decoding images.
+  No position is saved.
+- **Workers.** Loader worker k of a rank builds the steps t with ``(t - first) mod K =
+  k``: every worker reads the rank's streams, and decodes only its own steps' rows.
+  A DataLoader returns its workers' outputs in turn, which is step order.
+
+A row that cannot be used (a JSON line that is not an object, a sample without one of
+its columns, the rest of a truncated tar) keeps its place in the stream and is
+reported as ``BadRow``, naming the shard and the member or line: an error on every
+rank, or with ``--skip-bad-samples`` left out of its batch and said.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import json
+import os
+import random
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from contrastive_accelerate.data.sampler import derive_seed, share_sizes
+from contrastive_accelerate.data.sources import DataError, first_line
+
+#: Shard formats by file suffix.
+SHARD_FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet"}
+#: Tar members read as images (undecoded bytes, decoded where the sample is used).
+IMAGE_MEMBERS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "ppm", "tif", "tiff")
+#: ``derive_seed``'s stream for the shard order and shuffle buffer of a pass.
+PASS_STREAM = 3
+#: The default number of streams is at most this.
+DEFAULT_STREAMS = 8
+#: Where each row says where it came from (shard and member or line), for errors.
+SOURCE_KEY = "__source__"
+
+
+class BadRow(DataError):
+    """A row of a shard that cannot be used; the message names the shard and the member
+    or line."""
+
+
+@dataclass(frozen=True)
+class ShardStreams:
+    """The shards of ``--dataset`` and their ``streams``; rows through ``rows``."""
+
+    shards: tuple[str, ...]
+    format: str
+    streams: int
+    shuffle_buffer: int
+
+    def stream_shards(self, stream: int) -> list[str]:
+        return list(self.shards[stream :: self.streams])
+
+    def rows(self, stream: int, seed: int) -> Iterator[tuple[int, int, dict | BadRow]]:
+        """Stream ``stream``'s rows as ``(epoch, index, row)``, pass after pass, forever."""
+        shards = self.stream_shards(stream)
+        for epoch in itertools.count():
+            draws = random.Random(derive_seed(seed, PASS_STREAM, stream, epoch))
+            order = draws.sample(shards, len(shards))
+            rows = itertools.chain.from_iterable(read_shard(path, self.format) for path in order)
+            position = -1
+            for position, row in enumerate(shuffled(rows, self.shuffle_buffer, draws)):
+                yield epoch, position * self.streams + stream, row
+            if position < 0:
+                raise DataError(f"stream {stream} ({', '.join(shards)}) holds no rows")
+
+    def first_rows(self, count: int | None = None) -> list[dict]:
+        """The usable rows of the first shard (at most ``count``), in file order: what
+        start-up can look at (the columns, a scratch vocabulary)."""
+        rows = (row for row in read_shard(self.shards[0], self.format) if isinstance(row, dict))
+        return list(itertools.islice(rows, count))
+
+    def digest(self) -> str:
+        """The shards as a resume compares them: names and sizes (not contents: a stream
+        may be terabytes)."""
+        listing = [(os.path.basename(path), os.path.getsize(path)) for path in self.shards]
+        return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def find_shards(dataset: str, streams: int | None, shuffle_buffer: int) -> ShardStreams:
+    """The shards that ``dataset`` (a folder or a glob) names, sorted, and their streams;
+    a one-line ``DataError`` for none, for mixed or unknown formats, or for more streams
+    than shards."""
+    if os.path.isdir(dataset):
+        paths = [os.path.join(dataset, name) for name in os.listdir(dataset)]
+        paths = [path for path in paths if os.path.splitext(path)[1] in SHARD_FORMATS]
+    else:
+        paths = [path for path in glob.glob(dataset) if os.path.isfile(path)]
+    if not paths:
+        raise DataError(
+            f"--streaming --dataset {dataset!r}: no shards found (a folder or a glob of "
+            f"{', '.join(SHARD_FORMATS)} files)"
+        )
+    formats = {os.path.splitext(path)[1] for path in paths}
+    if len(formats) > 1 or not formats <= set(SHARD_FORMATS):
+        raise DataError(
+            f"--streaming --dataset {dataset!r}: shards are one format of "
+            f"{', '.join(SHARD_FORMATS)}; found {', '.join(sorted(formats))}"
+        )
+    paths.sort()
+    count = streams or min(DEFAULT_STREAMS, len(paths))
+    if count > len(paths):
+        raise DataError(
+            f"--streams {count} exceeds the {len(paths)} shards of {dataset!r}: a stream is "
+            "one shard or more"
+        )
+    return ShardStreams(tuple(paths), SHARD_FORMATS[formats.pop()], count, shuffle_buffer)
+
+
+def shuffled(rows: Iterator, size: int, draws: random.Random) -> Iterator:
+    """``rows`` through a shuffle buffer of ``size``: each incoming row takes the place of
+    one drawn from the buffer, which is emptied in a drawn order at the end."""
+    buffer: list = []
+    for row in rows:
+        if len(buffer) < size:
+            buffer.append(row)
+            continue
+        slot = draws.randrange(size)
+        yield buffer[slot]
+        buffer[slot] = row
+    draws.shuffle(buffer)
+    yield from buffer
+
+
+def read_shard(path: str, format: str) -> Iterator[dict | BadRow]:
+    """One shard's rows in file order, each with its ``SOURCE_KEY``; what cannot be read
+    is a ``BadRow`` in its place (the rest of a truncated file is one)."""
+    return {"tar": _tar_rows, "jsonl": _jsonl_rows, "parquet": _parquet_rows}[format](path)
+
+
+def _jsonl_rows(path: str) -> Iterator[dict | BadRow]:
+    with open(path, "rb") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            source = f"{path}, line {number}"
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                yield BadRow(f"{source}: malformed JSON ({first_line(error)})")
+                continue
+            if not isinstance(row, dict):
+                yield BadRow(f"{source}: a JSON {type(row).__name__}, not an object")
+                continue
+            yield {**row, SOURCE_KEY: source}
+
+
+def _parquet_rows(path: str) -> Iterator[dict | BadRow]:
+    import pyarrow.parquet as parquet
+
+    number = 0
+    try:
+        for batch in parquet.ParquetFile(path).iter_batches(batch_size=256):
+            for row in batch.to_pylist():
+                yield {**row, SOURCE_KEY: f"{path}, row {number}"}
+                number += 1
+    except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ...
+        yield BadRow(f"{path}: unreadable after row {number} ({first_line(error)})")
+
+
+def _tar_rows(path: str) -> Iterator[dict | BadRow]:
+    """webdataset's convention: consecutive members ``dir/key.ext`` with one key are one
+    sample, each extension a column (lower-cased); images stay undecoded bytes."""
+    key, row, member_name = None, {}, None
+    try:
+        with tarfile.open(path, mode="r|*") as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                member_name = member.name
+                directory, name = os.path.split(member.name)
+                stem, _, extension = name.partition(".")
+                if not extension:
+                    continue
+                if (directory, stem) != key:
+                    if row:
+                        yield row
+                    key, row = (directory, stem), {SOURCE_KEY: f"{path}, {os.path.join(*key)}"}
+                data = archive.extractfile(member).read()
+                row[extension.lower()] = _member_value(extension.lower(), data, path, member.name)
+    except (tarfile.TarError, EOFError, OSError) as error:
+        yield BadRow(f"{path}: truncated or malformed tar after {member_name!r} ({error})")
+        return
+    if row:
+        yield row
+
+
+def _member_value(extension: str, data: bytes, path: str, member: str) -> Any:
+    if extension in IMAGE_MEMBERS:
+        return {"bytes": data, "path": f"{path}:{member}"}
+    try:
+        if extension in ("txt", "text", "caption"):
+            return data.decode("utf-8")
+        if extension == "json":
+            return json.loads(data)
+        if extension in ("cls", "cls2", "index"):
+            return int(data.strip())
+    except ValueError as error:
+        return BadRow(f"{path}: member {member!r} cannot be read ({first_line(error)})")
+    return data
+
+
+class StreamBatches(torch.utils.data.IterableDataset):
+    """This rank's share of every global batch from ``first_step`` on, built by
+    ``item(row, epoch, index)`` and ``collate`` (a method's dataset's own); the
+    DataLoader's ``sampler`` as the loop sees it (``set_epoch``, ``share_sizes``).
+
+    ``check(row)``: a ``BadRow`` message for a row this method cannot use, else None.
+    """
+
+    def __init__(
+        self,
+        source: ShardStreams,
+        item: Callable[[dict, int, int], Any],
+        collate: Callable[[list], Any],
+        check: Callable[[dict], str | None],
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if world_size > source.streams:
+            raise DataError(
+                f"--streams {source.streams} is fewer than the {world_size} processes: each "
+                f"process reads whole streams; raise --streams (at most the "
+                f"{len(source.shards)} shards)"
+            )
+        self.source, self.item, self.collate, self.check = source, item, collate, check
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.rows_per_stream = share_sizes(batch_size, source.streams)
+        self.owned = [list(part) for part in torch.arange(source.streams).tensor_split(world_size)]
+        self.first_step = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """A stream is one epoch: the loop's ``start_batch`` is the step to start from.
+        Called before the DataLoader starts its workers, which copy it."""
+        self.first_step = start_batch
+
+    def share_sizes(self, step: int) -> list[int]:
+        """Every rank's rows in each global batch: its streams' shares."""
+        return [sum(self.rows_per_stream[v] for v in streams) for streams in self.owned]
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        streams = self.owned[self.rank]
+        readers = [
+            itertools.islice(
+                self.source.rows(v, self.seed), self.first_step * self.rows_per_stream[v], None
+            )
+            for v in streams
+        ]
+        for step in itertools.count(self.first_step):
+            rows = [
+                row
+                for v, reader in zip(streams, readers, strict=True)
+                for row in itertools.islice(reader, self.rows_per_stream[v])
+            ]
+            if (step - self.first_step) % workers == worker:
+                yield self.batch(rows)
+
+    def batch(self, rows: Sequence[tuple[int, int, dict | BadRow]]) -> Any:
+        """The collated rows that can be used; the others in its ``unreadable``."""
+        items, bad = [], []
+        for epoch, index, row in rows:
+            if isinstance(row, BadRow):
+                problem = str(row)
+            else:  # a member that could not be read, or what the method cannot use
+                broken = [str(value) for value in row.values() if isinstance(value, BadRow)]
+                problem = broken[0] if broken else self.check(row)
+            if problem is None:
+                items.append(self.item(row, epoch, index))
+            else:
+                bad.append(BadRow(problem))
+        batch = self.collate(items)
+        return batch._replace(unreadable=[*batch.unreadable, *bad]) if bad else batch
+
+
+def described(train) -> tuple[int, dict[str, dict[str, str]]]:
+    """What a resume compares of the training data: a table's number of rows; a stream's
+    shards (``RunState.inputs``), its length being unknown."""
+    if isinstance(train, ShardStreams):
+        return 0, {"dataset": {"shards": train.digest()}}
+    return len(train), {}
