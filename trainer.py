@@ -173,6 +173,7 @@ def _train(
         num_workers=config.num_workers,
         padded_batches=config.data_sharding == "accelerate",
         duplicate_keys=method.duplicate_keys(),
+        per_rank_streams=config.stream_split == "per-rank",
     )
     progress = tqdm(
         total=total_steps,

@@ -42,7 +42,7 @@ from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 #: What only ``--streaming`` reads.
-STREAMING_OPTIONS = ("streams", "shuffle_buffer", "skip_bad_rows")
+STREAMING_OPTIONS = ("streams", "shuffle_buffer", "skip_bad_rows", "stream_split")
 
 
 @dataclass
@@ -280,6 +280,10 @@ class TrainConfig:
         "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
     )
     attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
+    stream_split: str = option(
+        "streams", "--streaming: per-rank: webdataset's split_by_node, each rank its shards",
+        choices=("streams", "per-rank"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)

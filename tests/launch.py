@@ -390,6 +390,57 @@ def make_sentence_pairs(path: Path, count: int, negatives: int = 1, seed: int = 
     return path
 
 
+def make_text_pair_shards(root: Path, sizes: list[int], format: str = "jsonl") -> Path:
+    """``root`` holding one shard per entry of ``sizes`` (that many rows of
+    ``make_sentence_pairs``, each shard its own seed), as jsonl or parquet files."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    for number, size in enumerate(sizes):
+        path = make_sentence_pairs(root / f"part-{number:05d}.jsonl", size, seed=number)
+        if format == "parquet":
+            import pyarrow as arrow
+            import pyarrow.parquet as parquet
+
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            parquet.write_table(arrow.Table.from_pylist(rows), path.with_suffix(".parquet"))
+            path.unlink()
+    return root
+
+
+DIGIT_NAMES = "zero one two three four five six seven eight nine".split()
+
+
+def make_digit_tar_shards(root: Path, sizes: list[int], *, start: int = 0) -> Path:
+    """``root`` holding one webdataset tar shard per entry of ``sizes``: scikit-learn's
+    8x8 digits from row ``start`` on, each sample ``KEY.png`` (greyscale), ``KEY.txt``
+    (a caption naming the digit) and ``KEY.cls`` (the label), as webdataset writes them."""
+    import io
+    import tarfile
+
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images * (255 / 16)).astype(np.uint8)
+    root.mkdir(parents=True, exist_ok=True)
+    row = start
+    for number, size in enumerate(sizes):
+        with tarfile.open(root / f"shard-{number:05d}.tar", "w") as archive:
+            for _ in range(size):
+                png = io.BytesIO()
+                Image.fromarray(images[row]).save(png, format="PNG")
+                label = int(digits.target[row])
+                caption = f"the digit {DIGIT_NAMES[label]}"
+                for extension, data in (("png", png.getvalue()), ("txt", caption.encode()),
+                                        ("cls", str(label).encode())):  # fmt: skip
+                    member = tarfile.TarInfo(f"{row:06d}.{extension}")
+                    member.size = len(data)
+                    archive.addfile(member, io.BytesIO(data))
+                row += 1
+    return root
+
+
 def make_text_model(
     root: Path, *, dropout: float = 0.1, pad_token: bool = True, vocab_size: int | None = None
 ) -> Path:

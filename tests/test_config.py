@@ -18,7 +18,7 @@ from contrastive_accelerate.methods import (
     METHOD_OPTIONS,
     TEXT_OPTIONS,
 )
-from contrastive_accelerate.options import check_data
+from contrastive_accelerate.options import STREAMING_OPTIONS, check_data
 from trainer import TrainConfig
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -45,6 +45,7 @@ VALUES = {field.name: _other_value(field) for field in FIELDS}
 VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is valid
 VALUES["zero_shot_template"] = "a photo of a {}"  # the class name's place, marked
 # Options valid only beside another option's value.
+STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
 COMPANIONS = {
     "dropout": ["--model", "mlp"],
     "drop_path": ["--model", "vit_tiny"],
@@ -63,6 +64,8 @@ COMPANIONS = {
     "image_pooling": ["--columns", "image,caption", "--image-model", "vit"],
     "gradient_checkpointing": ["--model", "vit_tiny"],
     **{name: ["--columns", "a,b", "--lora-rank", "4"] for name in LORA_OPTIONS[1:]},
+    **{name: [*STREAMED, "--streaming"] for name in STREAMING_OPTIONS},
+    "streaming": STREAMED,
 }
 
 
@@ -84,10 +87,25 @@ def test_every_field_has_a_flag_and_a_help_line():
 def test_derived_defaults_are_resolved_in_one_place():
     """Every option left at None for a derived default gets it from ``resolved()``; the
     rest stay None (no default to derive: they mean "none")."""
-    meaning_none = {"dataset", "dataset_config", "image_column", "label_column", "num_workers",
-                    "max_steps", "loss_tile_rows", "resume_from", "save_total_limit",
-                    "collective_timeout", "columns", "text_model", "image_model", "clip_model",
-                    "lora_target_modules", "zero_shot_template"}  # fmt: skip
+    meaning_none = {
+        "dataset",
+        "dataset_config",
+        "image_column",
+        "label_column",
+        "num_workers",
+        "max_steps",
+        "loss_tile_rows",
+        "resume_from",
+        "save_total_limit",
+        "collective_timeout",
+        "columns",
+        "text_model",
+        "image_model",
+        "clip_model",
+        "lora_target_modules",
+        "zero_shot_template",
+        "streams",
+    }  # fmt: skip  (streams: from the shards, by find_shards)
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
@@ -123,7 +141,9 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
     # its own options (DINO's local crops a resnet or a vit): every field is in one of three files.
     vit = ("drop_path", "gradient_checkpointing", "fsdp")  # in the vit's file only
-    shared = {n: v for n, v in VALUES.items() if n not in ("method", *vit, *METHOD_OPTIONS)}
+    streamed = ("streaming", *STREAMING_OPTIONS)  # in a file of their own
+    shared = {n: v for n, v in VALUES.items()
+              if n not in ("method", *vit, *METHOD_OPTIONS, *streamed)}  # fmt: skip
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
     dino = {"method": "dino", **{n: VALUES[n] for n in DINO_OPTIONS}}
@@ -138,6 +158,8 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
         {**shared, **moco, "resume_from": None},
         {**shared, **dino, "resume_from": None, "dropout": None, "model": "resnet34"},
     ]
+    files.append({"dataset": "shards", "max_steps": 5, "columns": "a,b",
+                  **{name: VALUES[name] for name in streamed}})  # fmt: skip
     # Each loss's own options, in a file of its own.
     files += [{"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in LOSSES.items()]
     for values in files:

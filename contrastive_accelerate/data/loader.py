@@ -26,6 +26,7 @@ def train_loader(
     num_workers: int | None,
     padded_batches: bool = False,
     duplicate_keys=None,
+    per_rank_streams: bool = False,
 ) -> tuple[DataLoader, GlobalBatchSampler | StreamBatches]:
     """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
     the first batch. Its workers persist across epochs (safe: each item's randomness
@@ -35,7 +36,7 @@ def train_loader(
     repeated samples (a negative control). ``duplicate_keys``: no global batch holds two
     samples sharing a key (``sampler.without_duplicates``). A dataset of a stream
     (``ShardStreams`` rows, ``dataset.item`` and ``dataset.problem``) is read by
-    ``StreamBatches``, the loop's sampler then."""
+    ``StreamBatches``, the loop's sampler then; ``per_rank_streams``: its control."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     if num_workers is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -45,8 +46,10 @@ def train_loader(
         getattr(dataset, "dataset", None), ShardStreams
     ):  # its own batches: see data.streams
         stream = StreamBatches(dataset.dataset, dataset.item, dataset.collate, dataset.problem,
-                               batch_size, seed, rank, world_size)  # fmt: skip
-        return DataLoader(stream, batch_size=None, **_workers(num_workers, accelerator)), stream
+                               batch_size, seed, rank, world_size, per_rank_streams)  # fmt: skip
+        loader = DataLoader(stream, batch_size=None, collate_fn=as_built,
+                            **_workers(num_workers, accelerator))  # fmt: skip
+        return loader, stream
     if padded_batches:  # Accelerate shards whole global batches itself
         rank, world_size = 0, 1
     sampler = GlobalBatchSampler(
@@ -66,6 +69,12 @@ def train_loader(
             even_batches=True,
         )
     return loader, sampler
+
+
+def as_built(batch):
+    """A ``StreamBatches`` batch as it was collated: DataLoader's default would convert
+    its tuples to lists."""
+    return batch
 
 
 def _workers(num_workers: int, accelerator: Accelerator) -> dict:

@@ -192,10 +192,12 @@ def _parquet_rows(path: str) -> Iterator[dict | BadRow]:
 
 def _tar_rows(path: str) -> Iterator[dict | BadRow]:
     """webdataset's convention: consecutive members ``dir/key.ext`` with one key are one
-    sample, each extension a column (lower-cased); images stay undecoded bytes."""
-    key, row, member_name = None, {}, None
+    sample, each extension a column (lower-cased); images stay undecoded bytes. A tar
+    cut short (which ``tarfile`` takes for its end when the cut falls between headers)
+    ends with a ``BadRow`` in place of its last sample."""
+    key, row, member_name, problem = None, {}, None, None
     try:
-        with tarfile.open(path, mode="r|*") as archive:
+        with tarfile.open(path, mode="r|") as archive:
             for member in archive:
                 if not member.isfile():
                     continue
@@ -207,14 +209,29 @@ def _tar_rows(path: str) -> Iterator[dict | BadRow]:
                 if (directory, stem) != key:
                     if row:
                         yield row
-                    key, row = (directory, stem), {SOURCE_KEY: f"{path}, {os.path.join(*key)}"}
+                    key = (directory, stem)
+                    row = {SOURCE_KEY: f"{path}, {os.path.join(directory, stem)}"}
                 data = archive.extractfile(member).read()
                 row[extension.lower()] = _member_value(extension.lower(), data, path, member.name)
+        if not _ends_like_a_tar(path):
+            problem = "no end-of-archive blocks"
     except (tarfile.TarError, EOFError, OSError) as error:
-        yield BadRow(f"{path}: truncated or malformed tar after {member_name!r} ({error})")
-        return
-    if row:
+        problem = first_line(error)
+    if problem is not None:
+        yield BadRow(f"{path}: truncated or malformed tar after {member_name!r} ({problem})")
+    elif row:
         yield row
+
+
+def _ends_like_a_tar(path: str) -> bool:
+    """Whether the file ends as a tar writer ends it: whole 512-byte blocks, the last two
+    of zeros."""
+    size = os.path.getsize(path)
+    if size % 512 or size < 1024:
+        return False
+    with open(path, "rb") as file:
+        file.seek(size - 1024)
+        return not any(file.read())
 
 
 def _member_value(extension: str, data: bytes, path: str, member: str) -> Any:
@@ -238,6 +255,9 @@ class StreamBatches(torch.utils.data.IterableDataset):
     DataLoader's ``sampler`` as the loop sees it (``set_epoch``, ``share_sizes``).
 
     ``check(row)``: a ``BadRow`` message for a row this method cannot use, else None.
+    ``per_rank``, the negative control: the common practice (webdataset's
+    ``split_by_node``), each rank reading the shards ``rank::world_size`` as one stream
+    shuffled with seed + rank, its rows its share; 1 and N processes then differ.
     """
 
     def __init__(
@@ -250,18 +270,29 @@ class StreamBatches(torch.utils.data.IterableDataset):
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        per_rank: bool = False,
     ) -> None:
+        self.item, self.collate, self.check = item, collate, check
+        self.rank, self.first_step = rank, 0
+        if per_rank:
+            self.source = ShardStreams(
+                source.shards[rank::world_size], source.format, 1, source.shuffle_buffer
+            )
+            self.seed, self.streams = seed + rank, [0]
+            self.shares = share_sizes(batch_size, world_size)
+            self.rows_per_stream = [self.shares[rank]]
+            return
         if world_size > source.streams:
             raise DataError(
                 f"--streams {source.streams} is fewer than the {world_size} processes: each "
                 f"process reads whole streams; raise --streams (at most the "
                 f"{len(source.shards)} shards)"
             )
-        self.source, self.item, self.collate, self.check = source, item, collate, check
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.source, self.seed = source, seed
         self.rows_per_stream = share_sizes(batch_size, source.streams)
-        self.owned = [list(part) for part in torch.arange(source.streams).tensor_split(world_size)]
-        self.first_step = 0
+        owned = [part.tolist() for part in torch.arange(source.streams).tensor_split(world_size)]
+        self.streams = owned[rank]
+        self.shares = [sum(self.rows_per_stream[v] for v in streams) for streams in owned]
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """A stream is one epoch: the loop's ``start_batch`` is the step to start from.
@@ -270,23 +301,21 @@ class StreamBatches(torch.utils.data.IterableDataset):
 
     def share_sizes(self, step: int) -> list[int]:
         """Every rank's rows in each global batch: its streams' shares."""
-        return [sum(self.rows_per_stream[v] for v in streams) for streams in self.owned]
+        return self.shares
 
     def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        streams = self.owned[self.rank]
+        counts = [self.rows_per_stream[v] for v in self.streams]
         readers = [
-            itertools.islice(
-                self.source.rows(v, self.seed), self.first_step * self.rows_per_stream[v], None
-            )
-            for v in streams
+            itertools.islice(self.source.rows(v, self.seed), self.first_step * count, None)
+            for v, count in zip(self.streams, counts, strict=True)
         ]
         for step in itertools.count(self.first_step):
             rows = [
                 row
-                for v, reader in zip(streams, readers, strict=True)
-                for row in itertools.islice(reader, self.rows_per_stream[v])
+                for reader, count in zip(readers, counts, strict=True)
+                for row in itertools.islice(reader, count)
             ]
             if (step - self.first_step) % workers == worker:
                 yield self.batch(rows)

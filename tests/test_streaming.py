@@ -1,0 +1,263 @@
+"""Streamed shards (``--streaming``, ``contrastive_accelerate.data.streams``): the same
+global batches on 1, 2 and 3 processes and any number of loader workers, an exact and
+elastic resume without a saved position, and bad rows named by shard and member.
+
+Shards are written by the tests: jsonl and parquet text pairs with a hard-negative
+column, and webdataset tar files of the digits with captions, of uneven sizes, so that
+streams end their passes at different steps and processes get uneven shares.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from contrastive_accelerate.data import ShardStreams, StreamBatches
+from contrastive_accelerate.data.loader import as_built
+from contrastive_accelerate.data.streams import find_shards
+
+from launch import (
+    TrainerRuns,
+    final_files_difference,
+    make_digit_tar_shards,
+    make_text_pair_shards,
+    one_line_errors,
+    train_pooled,
+)
+
+pytest.importorskip("transformers")
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+#: 5 shards, 5 streams: a global batch of 6 takes 2, 1, 1, 1, 1 rows of them, and 3
+#: processes own streams (0, 1), (2, 3), (4): shares of 3, 2 and 1 rows. Stream 0's 7
+#: rows end a pass every 3.5 steps.
+TEXT_SHARDS = [7, 11, 5, 9, 4]
+TEXT = ["--columns", "anchor,positive,negative_1", "--dtype", "float64", "--batch-size", "6",
+        "--lr", "1e-3", "--max-length", "8", "--log-every", "1", "--max-steps", "8",
+        "--shuffle-buffer", "4"]  # fmt: skip
+#: 4 tar shards, 4 streams of 3 rows per batch of 12; 3 processes: 6, 3 and 3 rows.
+TAR_SHARDS = [10, 7, 12, 5]
+IMAGE_TEXT = ["--columns", "png,txt", "--text-model", "scratch", "--model", "mlp", "--dtype",
+              "float64", "--image-size", "8", "--batch-size", "12", "--lr", "1e-3",
+              "--max-length", "6", "--log-every", "1", "--max-steps", "6",
+              "--shuffle-buffer", "3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("shards")
+    return {
+        "jsonl": str(make_text_pair_shards(root / "jsonl", TEXT_SHARDS)),
+        "parquet": str(make_text_pair_shards(root / "parquet", TEXT_SHARDS, "parquet")),
+        "tar": str(make_digit_tar_shards(root / "tar", TAR_SHARDS)),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, shards, tiny_bert):
+    return {
+        "jsonl": TrainerRuns(tmp_path_factory, "--streaming", "--dataset", shards["jsonl"],
+                             "--text-model", tiny_bert, *TEXT),
+        "parquet": TrainerRuns(tmp_path_factory, "--streaming", "--dataset",
+                               str(Path(shards["parquet"]) / "*.parquet"), "--text-model",
+                               tiny_bert, *TEXT),
+        "tar": TrainerRuns(tmp_path_factory, "--streaming", "--dataset", shards["tar"],
+                           *IMAGE_TEXT),
+    }  # fmt: skip
+
+
+# The design, without a model: what each rank's loader yields.
+
+
+class Rows(NamedTuple):
+    """A toy method's batch: each row's sample id and where it came from."""
+
+    ids: list[tuple[int, int, str]]
+    unreadable: list
+
+
+def loader_batches(
+    source: ShardStreams, rank: int, world_size: int, steps: int, *, first_step: int = 0,
+    per_rank: bool = False,
+) -> list[list[tuple[int, int, str]]]:  # fmt: skip
+    """Rank ``rank``'s rows of steps ``first_step, ...``, through a DataLoader without
+    workers (in this process, they would leave multiprocessing's resource tracker
+    behind; the trainer runs below have workers)."""
+    stream = StreamBatches(
+        source, lambda row, epoch, index: (epoch, index, row["__source__"]),
+        lambda items: Rows(items, []), lambda row: None, batch_size=6, seed=3, rank=rank,
+        world_size=world_size, per_rank=per_rank,
+    )  # fmt: skip
+    stream.set_epoch(0, first_step)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, collate_fn=as_built)
+    batches = []
+    for batch in loader:
+        batches.append(batch.ids)
+        if len(batches) == steps:
+            break
+    return batches
+
+
+def global_batches(source: ShardStreams, world_size: int, steps: int, **options):
+    """Every step's global batch: the ranks' shares in rank order."""
+    shares = [loader_batches(source, rank, world_size, steps, **options)
+              for rank in range(world_size)]  # fmt: skip
+    return [sum((share[step] for share in shares), []) for step in range(steps)]
+
+
+def test_the_global_batches_are_the_same_on_any_number_of_processes(shards):
+    """12 steps of 5 streams (every stream passes its shards several times): the ranks'
+    shares in rank order are the single process's batch, and each rank's rows come from
+    its own streams' shards alone."""
+    source = find_shards(shards["jsonl"], None, 4)
+    reference = global_batches(source, 1, 12)
+    assert len({row[:2] for batch in reference for row in batch}) == 12 * 6  # distinct ids
+    for world_size in (2, 3, 4, 5):
+        assert global_batches(source, world_size, 12) == reference, world_size
+    owned = torch.arange(source.streams).tensor_split(3)
+    for rank in range(3):
+        files = {source.shards[v] for v in owned[rank].tolist()}
+        rows = [row for batch in loader_batches(source, rank, 3, 12) for row in batch]
+        assert {row[2].split(",")[0] for row in rows} <= files
+
+
+def test_control_per_rank_shards_and_shuffling_change_the_global_batches(shards):
+    """webdataset's split_by_node with per-rank seeds: each process's batches come from
+    its own shards, and 2 processes see other global batches than 1."""
+    source = find_shards(shards["jsonl"], None, 4)
+    reference = global_batches(source, 1, 12)
+    per_rank = global_batches(source, 2, 12, per_rank=True)
+    differing = sum(a != b for a, b in zip(reference, per_rank, strict=True))
+    print(f"per-rank shards: {differing} of 12 global batches differ from 1 process's")
+    assert differing > 6
+
+
+def test_a_loader_started_at_step_t_continues_the_straight_one(shards):
+    """The position of every stream is a function of the step: a loader started at step 5
+    (on another number of processes) yields the straight run's steps 5 on.
+    The control: started without its position (from row 0), it repeats steps 0 on."""
+    source = find_shards(shards["jsonl"], None, 4)
+    straight = global_batches(source, 1, 12)
+    assert global_batches(source, 3, 7, first_step=5) == straight[5:]
+    restarted = global_batches(source, 3, 7)
+    assert restarted != straight[5:] and restarted == straight[:7]
+
+
+def test_streams_default_to_the_shards_up_to_8_and_are_refused_beyond_them(shards, tmp_path):
+    assert find_shards(shards["jsonl"], None, 1).streams == 5
+    with pytest.raises(ValueError, match=r"--streams 6 exceeds the 5 shards"):
+        find_shards(shards["jsonl"], 6, 1)
+    with pytest.raises(ValueError, match=r"no shards found"):
+        find_shards(str(tmp_path / "*.tar"), None, 1)
+
+
+# Training: float64, 1 vs 2 vs 3 processes.
+
+
+@pytest.mark.parametrize(
+    "data, processes, workers",
+    [("jsonl", 2, 2), ("jsonl", 3, 0), ("parquet", 3, 2), ("tar", 2, 0), ("tar", 3, 2)],
+)
+def test_one_process_and_n_processes_train_the_same_model_from_streams(
+    runs, data, processes, workers
+):
+    reference = runs[data](1, "--num-workers", "0")
+    error = final_files_difference(reference, runs[data](processes, "--num-workers", str(workers)))
+    print(f"streamed {data}, 1 process vs {processes} with {workers} workers: {error:.1e}")
+    assert error <= EXACT
+
+
+def test_control_per_rank_shards_train_another_model(runs):
+    error = final_files_difference(
+        runs["jsonl"](1, "--num-workers", "0"),
+        runs["jsonl"](2, "--num-workers", "0", "--stream-split", "per-rank"),
+    )
+    print(f"control --stream-split per-rank, 1 vs 2 processes: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+def test_a_resume_mid_stream_ends_where_the_straight_run_does(runs, shards, tiny_bert, tmp_path):
+    """Resumed at step 4 of 8 on 1 process: 0.0 from the straight run; a 2-process run's
+    checkpoint resumed on 3 processes: within float64 summation order of it."""
+    straight = runs["jsonl"](1, "--num-workers", "0", "--save-every", "4")
+    common = ["--streaming", "--dataset", shards["jsonl"], "--text-model", tiny_bert, *TEXT]
+    resumed = tmp_path / "resumed"
+    train_pooled(1, *common, "--num-workers", "2", "--output-dir", str(resumed),
+                 "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
+    same = final_files_difference(straight, resumed)
+    two = runs["jsonl"](2, "--num-workers", "0", "--save-every", "4")
+    elastic = tmp_path / "elastic"
+    train_pooled(3, *common, "--num-workers", "0", "--output-dir", str(elastic),
+                 "--resume-from", str(two / "checkpoint-4"))  # fmt: skip
+    error = final_files_difference(straight, elastic)
+    print(f"streamed resume at step 4 of 8: 1 -> 1 process {same:.1e}, 2 -> 3 processes "
+          f"{error:.1e} (from the 1-process straight run)")  # fmt: skip
+    assert same == 0.0
+    assert error <= EXACT
+
+
+def test_the_streamed_run_logs_its_losses_and_refuses_what_it_cannot_honour(runs, shards):
+    records = [json.loads(line) for line in (runs["tar"](1, "--num-workers", "0") /
+                                             "metrics.jsonl").open()]  # fmt: skip
+    losses = [record["loss"] for record in records if "loss" in record]
+    assert len(losses) == 6 and all(loss > 0 for loss in losses)
+    result = train_pooled(2, "--streaming", "--dataset", shards["jsonl"], "--streams", "1",
+                          "--text-model", "scratch", *TEXT, check=False)  # fmt: skip
+    one_line_errors(result, "--streams 1 is fewer than the 2 processes", 2)
+
+
+# Bad rows: a one-line error naming the shard and member on every rank, or skipped.
+
+
+def write_bad_shards(root: Path, case: str) -> Path:
+    """Text-pair or digit shards with one bad row in shard 1."""
+    if case == "malformed-json":
+        make_text_pair_shards(root, [6, 6, 6])
+        path = root / "part-00001.jsonl"
+        lines = path.read_text().splitlines()
+        lines[2] = lines[2][: len(lines[2]) // 2]
+        path.write_text("\n".join(lines) + "\n")
+        return root
+    make_digit_tar_shards(root, [6, 6, 6])
+    path = root / "shard-00001.tar"
+    if case == "truncated-tar":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2 + 100])
+        return root
+    with tarfile.open(path, "a") as archive:  # an image whose caption is missing
+        member = tarfile.TarInfo("999999.png")
+        png = io.BytesIO(b"\x89PNG not really")
+        member.size = len(png.getvalue())
+        archive.addfile(member, png)
+    return root
+
+
+BAD_ROWS = {
+    "malformed-json": ("part-00001.jsonl, line 3: malformed JSON", TEXT[:2]),
+    "truncated-tar": ("shard-00001.tar: truncated or malformed tar after", IMAGE_TEXT[:2]),
+    "member-without-pair": ("shard-00001.tar, 999999: no column 'txt'", IMAGE_TEXT[:2]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_bad_row_is_one_line_on_every_rank_or_skipped_and_said(case, processes, tmp_path):
+    expected, columns = BAD_ROWS[case]
+    root = write_bad_shards(tmp_path / "shards", case)
+    flags = ["--streaming", "--dataset", str(root), "--text-model", "scratch", *columns,
+             "--batch-size", "6", "--max-steps", "4", "--num-workers", "0",
+             "--max-length", "6", "--log-every", "1"]  # fmt: skip
+    if columns == IMAGE_TEXT[:2]:
+        flags += ["--model", "mlp"]
+    result = train_pooled(processes, *flags, "--output-dir", str(tmp_path / "run"), check=False)
+    print(one_line_errors(result, expected, processes)[0])
+    skipped = train_pooled(processes, *flags, "--skip-bad-rows", "--output-dir",
+                           str(tmp_path / "skipped"))  # fmt: skip
+    warnings = [line for line in skipped.stdout.splitlines() if "(--skip-bad-rows)" in line]
+    assert warnings and all(expected in line for line in warnings)
+    print(f"{case}, {processes} process(es): {len(warnings)} row(s) skipped and said")
