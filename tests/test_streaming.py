@@ -55,6 +55,8 @@ def shards(tmp_path_factory) -> dict[str, str]:
         "jsonl": str(make_text_pair_shards(root / "jsonl", TEXT_SHARDS)),
         "parquet": str(make_text_pair_shards(root / "parquet", TEXT_SHARDS, "parquet")),
         "tar": str(make_digit_tar_shards(root / "tar", TAR_SHARDS)),
+        # A dataset repository's layout, which load_dataset(..., streaming=True) reads.
+        "hub": str(make_text_pair_shards(root / "hub" / "data", TEXT_SHARDS).parent),
     }
 
 
@@ -169,6 +171,18 @@ def test_one_process_and_n_processes_train_the_same_model_from_streams(
     reference = runs[data](1, "--num-workers", "0")
     error = final_files_difference(reference, runs[data](processes, "--num-workers", str(workers)))
     print(f"streamed {data}, 1 process vs {processes} with {workers} workers: {error:.1e}")
+    assert error <= EXACT
+
+
+def test_a_hub_dataset_streams_as_its_files_do(runs, shards, tiny_bert, tmp_path):
+    """The jsonl shards as a dataset repository (``data/``), which is
+    ``load_dataset(..., streaming=True)``: its shards are the files, so 2 processes train
+    what 1 process trains from the files themselves."""
+    hub = tmp_path / "hub"
+    train_pooled(2, "--streaming", "--dataset", shards["hub"], "--text-model", tiny_bert, *TEXT,
+                 "--num-workers", "0", "--output-dir", str(hub))  # fmt: skip
+    error = final_files_difference(runs["jsonl"](1, "--num-workers", "0"), hub)
+    print(f"streamed through load_dataset(streaming=True), 2 processes vs the files: {error:.1e}")
     assert error <= EXACT
 
 

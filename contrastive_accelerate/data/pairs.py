@@ -118,17 +118,18 @@ def load_pair_dataset(
 
 
 def load_streamed_pairs(
-    dataset: str, columns: tuple[str, ...], streams: int | None, shuffle_buffer: int
-) -> PairData:
-    """The shards of ``dataset`` as streams (``data.streams``), ``columns`` checked on the
-    first shard's first row: each an image (a tar's image member, or ``{"bytes", "path"}``)
-    or a text (a string, or a list of strings). No evaluation split: a stream has no
-    held-out rows."""
+    dataset: str, columns: tuple[str, ...], streams: int | None, shuffle_buffer: int,
+    *, config_name: str | None = None, split: str = "train",
+) -> PairData:  # fmt: skip
+    """The shards of ``dataset`` as streams (``data.streams.find_shards``), ``columns``
+    checked on the first shard's first row: each an image (a tar's image member, a
+    ``{"bytes", "path"}`` record, a PIL image) or a text (a string, or a list of
+    strings). No evaluation split: a stream has no held-out rows."""
     from contrastive_accelerate.data.streams import find_shards
 
     if len(columns) < 2 or len(set(columns)) != len(columns):
         raise DataError(f"--columns {','.join(columns)}: give two or more different columns")
-    source = find_shards(dataset, streams, shuffle_buffer)
+    source = find_shards(dataset, streams, shuffle_buffer, config_name=config_name, split=split)
     first = source.first_rows(1)
     if not first:
         raise DataError(f"the first shard {source.shards[0]!r} holds no readable rows")
@@ -153,7 +154,11 @@ def load_streamed_pairs(
 
 
 def _is_image(value) -> bool:
-    return isinstance(value, dict) and isinstance(value.get("bytes"), bytes)
+    from PIL import Image
+
+    return isinstance(value, Image.Image) or (
+        isinstance(value, dict) and isinstance(value.get("bytes"), bytes)
+    )
 
 
 def row_problem(

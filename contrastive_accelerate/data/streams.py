@@ -6,8 +6,10 @@ The design, and why each part is there:
 - **Shards.** ``--dataset`` names a folder or a glob of shards of one format: webdataset
   tar files (each sample's members share a key; its columns are the members'
   extensions, ``png``, ``jpg``, ``txt``, ``json``, ``cls``, as ``datasets``' webdataset
-  builder names them), jsonl or parquet files. They are sorted by name. Nothing is read
-  with random access, and nothing needs the number of rows up front.
+  builder names them), jsonl or parquet files, sorted by name. Anything else (a hub
+  name, a dataset repository's folder) is ``load_dataset(..., streaming=True)``, whose
+  shards are its ``shard(num_shards, index)``. Nothing is read with random access, and
+  nothing needs the number of rows up front.
 - **Streams.** Shard i belongs to stream ``i mod V`` (``--streams V``; default
   ``min(8, shards)``). V is fixed by the data and the option, never by the number of
   processes or loader workers: that is what makes the order theirs alone.
@@ -38,6 +40,7 @@ rank, or with ``--skip-bad-samples`` left out of its batch and said.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import itertools
@@ -73,70 +76,119 @@ class BadRow(DataError):
 
 @dataclass(frozen=True)
 class ShardStreams:
-    """The shards of ``--dataset`` and their ``streams``; rows through ``rows``."""
+    """The shards of ``--dataset`` and their ``streams``; rows through ``rows``.
+    ``hub``: the ``datasets.IterableDataset`` whose shards ``shards`` names, if any."""
 
     shards: tuple[str, ...]
     format: str
     streams: int
     shuffle_buffer: int
+    hub: Any = None
 
-    def stream_shards(self, stream: int) -> list[str]:
-        return list(self.shards[stream :: self.streams])
+    def read(self, shard: int) -> Iterator[dict | BadRow]:
+        """Shard number ``shard``'s rows in order (``read_shard``)."""
+        if self.hub is None:
+            return read_shard(self.shards[shard], self.format)
+        part = self.hub.shard(num_shards=len(self.shards), index=shard, contiguous=True)
+        return (
+            {**row, SOURCE_KEY: f"{self.shards[shard]}, row {number}"}
+            for number, row in enumerate(part)
+        )
 
     def rows(self, stream: int, seed: int) -> Iterator[tuple[int, int, dict | BadRow]]:
         """Stream ``stream``'s rows as ``(epoch, index, row)``, pass after pass, forever."""
-        shards = self.stream_shards(stream)
+        shards = list(range(stream, len(self.shards), self.streams))
         for epoch in itertools.count():
             draws = random.Random(derive_seed(seed, PASS_STREAM, stream, epoch))
             order = draws.sample(shards, len(shards))
-            rows = itertools.chain.from_iterable(read_shard(path, self.format) for path in order)
+            rows = itertools.chain.from_iterable(self.read(shard) for shard in order)
             position = -1
             for position, row in enumerate(shuffled(rows, self.shuffle_buffer, draws)):
                 yield epoch, position * self.streams + stream, row
             if position < 0:
-                raise DataError(f"stream {stream} ({', '.join(shards)}) holds no rows")
+                names = ", ".join(self.shards[shard] for shard in shards)
+                raise DataError(f"stream {stream} ({names}) holds no rows")
 
     def first_rows(self, count: int | None = None) -> list[dict]:
         """The usable rows of the first shard (at most ``count``), in file order: what
         start-up can look at (the columns, a scratch vocabulary)."""
-        rows = (row for row in read_shard(self.shards[0], self.format) if isinstance(row, dict))
+        rows = (row for row in self.read(0) if isinstance(row, dict))
         return list(itertools.islice(rows, count))
 
     def digest(self) -> str:
         """The shards as a resume compares them: names and sizes (not contents: a stream
-        may be terabytes)."""
-        listing = [(os.path.basename(path), os.path.getsize(path)) for path in self.shards]
+        may be terabytes); a hub dataset's name and shards."""
+        if self.hub is not None:
+            listing = [self.hub.info.dataset_name, self.hub.info.config_name, *self.shards]
+        else:
+            listing = [(os.path.basename(path), os.path.getsize(path)) for path in self.shards]
         return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
-def find_shards(dataset: str, streams: int | None, shuffle_buffer: int) -> ShardStreams:
-    """The shards that ``dataset`` (a folder or a glob) names, sorted, and their streams;
-    a one-line ``DataError`` for none, for mixed or unknown formats, or for more streams
-    than shards."""
+def find_shards(
+    dataset: str,
+    streams: int | None,
+    shuffle_buffer: int,
+    *,
+    config_name: str | None = None,
+    split: str = "train",
+) -> ShardStreams:
+    """The shards that ``dataset`` names, and their streams: a folder or a glob of shard
+    files, sorted; else ``load_dataset(dataset, config_name, split=split,
+    streaming=True)``'s shards. A one-line ``DataError`` for none, for mixed or unknown
+    formats, or for more streams than shards."""
     if os.path.isdir(dataset):
         paths = [os.path.join(dataset, name) for name in os.listdir(dataset)]
         paths = [path for path in paths if os.path.splitext(path)[1] in SHARD_FORMATS]
     else:
         paths = [path for path in glob.glob(dataset) if os.path.isfile(path)]
+    if not paths and not glob.has_magic(dataset):
+        return _with_streams(_hub_shards(dataset, config_name, split, shuffle_buffer), streams)
     if not paths:
         raise DataError(
             f"--streaming --dataset {dataset!r}: no shards found (a folder or a glob of "
             f"{', '.join(SHARD_FORMATS)} files)"
         )
+    if config_name or split != "train":
+        raise DataError("--dataset-config and --split apply to a hub dataset, not to shard files")
     formats = {os.path.splitext(path)[1] for path in paths}
     if len(formats) > 1 or not formats <= set(SHARD_FORMATS):
         raise DataError(
             f"--streaming --dataset {dataset!r}: shards are one format of "
             f"{', '.join(SHARD_FORMATS)}; found {', '.join(sorted(formats))}"
         )
-    paths.sort()
-    count = streams or min(DEFAULT_STREAMS, len(paths))
-    if count > len(paths):
+    source = ShardStreams(tuple(sorted(paths)), SHARD_FORMATS[formats.pop()], 1, shuffle_buffer)
+    return _with_streams(source, streams)
+
+
+def _hub_shards(
+    name: str, config_name: str | None, split: str, shuffle_buffer: int
+) -> ShardStreams:
+    """``load_dataset(name, config_name, split=split, streaming=True)``, its shards named."""
+    import datasets
+
+    from contrastive_accelerate.hub import unreachable_reason
+
+    if not os.path.exists(name) and (reason := unreachable_reason(name, "datasets")):
+        raise DataError(f"cannot stream dataset {name!r}: {reason}")
+    try:
+        hub = datasets.load_dataset(name, config_name, split=split, streaming=True)
+    except Exception as error:  # datasets raises many types; the user needs one line
+        raise DataError(f"cannot stream dataset {name!r}: {first_line(error)}") from None
+    count = hub.num_shards
+    shards = tuple(f"{name} (shard {index} of {count})" for index in range(count))
+    return ShardStreams(shards, "hub", 1, shuffle_buffer, hub)
+
+
+def _with_streams(source: ShardStreams, streams: int | None) -> ShardStreams:
+    """``source`` with ``streams`` streams (default: one per shard, at most 8)."""
+    count = streams or min(DEFAULT_STREAMS, len(source.shards))
+    if count > len(source.shards):
         raise DataError(
-            f"--streams {count} exceeds the {len(paths)} shards of {dataset!r}: a stream is "
-            "one shard or more"
+            f"--streams {count} exceeds the {len(source.shards)} shards of the dataset: a "
+            "stream is one shard or more"
         )
-    return ShardStreams(tuple(paths), SHARD_FORMATS[formats.pop()], count, shuffle_buffer)
+    return dataclasses.replace(source, streams=count)
 
 
 def shuffled(rows: Iterator, size: int, draws: random.Random) -> Iterator:
@@ -275,9 +327,7 @@ class StreamBatches(torch.utils.data.IterableDataset):
         self.item, self.collate, self.check = item, collate, check
         self.rank, self.first_step = rank, 0
         if per_rank:
-            self.source = ShardStreams(
-                source.shards[rank::world_size], source.format, 1, source.shuffle_buffer
-            )
+            self.source = per_rank_shards(source, rank, world_size)
             self.seed, self.streams = seed + rank, [0]
             self.shares = share_sizes(batch_size, world_size)
             self.rows_per_stream = [self.shares[rank]]
@@ -335,6 +385,17 @@ class StreamBatches(torch.utils.data.IterableDataset):
                 bad.append(BadRow(problem))
         batch = self.collate(items)
         return batch._replace(unreadable=[*batch.unreadable, *bad]) if bad else batch
+
+
+def per_rank_shards(source: ShardStreams, rank: int, world_size: int) -> ShardStreams:
+    """The control's source: shards ``rank::world_size`` as one stream (a hub dataset's
+    through ``shard`` again)."""
+    if source.hub is None:
+        return ShardStreams(source.shards[rank::world_size], source.format, 1,
+                            source.shuffle_buffer)  # fmt: skip
+    part = source.hub.shard(num_shards=world_size, index=rank, contiguous=False)
+    return ShardStreams((f"{source.shards[0]} rank {rank}",), "hub", 1, source.shuffle_buffer,
+                        part)  # fmt: skip
 
 
 def described(train) -> tuple[int, dict[str, dict[str, str]]]:

@@ -105,7 +105,10 @@ def pair_data(config) -> PairData:
     """The columns of ``--dataset`` named by ``--columns``: text, or an image and text."""
     columns = tuple(column.strip() for column in config.columns.split(","))
     if config.streaming:
-        return load_streamed_pairs(config.dataset, columns, config.streams, config.shuffle_buffer)
+        return load_streamed_pairs(
+            config.dataset, columns, config.streams, config.shuffle_buffer,
+            config_name=config.dataset_config, split=config.split,
+        )  # fmt: skip
     return load_pair_dataset(config.dataset, columns, **dataset_options(config))
 
 
