@@ -45,3 +45,14 @@ def test_the_lightly_comparison_runs_end_to_end_on_the_cpu():
         print(row)
         assert row["steps"] == 3
         assert 0 < row["knn_top1"] <= 1 and 0 < row["linear_probe_top1"] <= 1
+
+
+def test_the_streaming_loader_benchmark_runs_on_the_cpu():
+    """``benchmarks.streaming``: the streamed, map-style and webdataset loaders over the
+    same shards, a few small batches each, without workers."""
+    from benchmarks.streaming import run, table_lines
+
+    results = run(quick=True)
+    assert [row["loader"] for row in results["rows"]] == ["streamed", "map-style", "webdataset"]
+    assert all(row["samples_per_s"] > 0 for row in results["rows"])
+    print("\n".join(table_lines(results)))
