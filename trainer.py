@@ -104,7 +104,7 @@ def _train(
     data = METHODS[config.method].load(config)
     accelerator.print(data.evaluation_source)
     check_data(config, data)
-    if config.streaming:  # no epochs: the streams are read once, for --max-steps
+    if config.streaming or config.mixed:  # no epochs: read once, for --max-steps
         steps_per_epoch = config.max_steps
     else:
         steps_per_epoch = batches_per_epoch(len(data.train), config.batch_size, config.drop_last)
@@ -228,7 +228,9 @@ def _train(
                         checks.raise_if_any()
                         trained = (step - started_step) * config.batch_size
                         speed = trained / (time.perf_counter() - started)
-                        metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed)
+                        sources = sampler.steps_per_source(step) if config.mixed else {}
+                        metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed,
+                                        sources)  # fmt: skip
                     if config.save_every and step % config.save_every == 0:
                         last_checkpoint, saved_step = save(step), step
                     if knn is not None and config.eval_every and step % config.eval_every == 0:
@@ -296,14 +298,18 @@ def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[b
     return stop, skipped
 
 
-def _log(accelerator, run, progress, step, loss, lr, epoch, samples_per_s) -> dict[str, float]:
-    """The global loss (each rank's loss is W x its share: the mean is it) and the speed,
-    to the progress bar, the trackers and metrics.jsonl."""
+def _log(
+    accelerator, run, progress, step, loss, lr, epoch, samples_per_s, sources
+) -> dict[str, float]:
+    """The global loss (each rank's loss is W x its share: the mean is it), the speed and
+    a mixture's steps per source so far, to the progress bar, the trackers and
+    metrics.jsonl."""
     record = {
         "loss": accelerator.reduce(loss.detach(), "mean").item(),
         "samples_per_s": samples_per_s,
         "lr": lr,
         "epoch": epoch,
+        **sources,
     }
     progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.3g}")
     accelerator.log(record, step=step)

@@ -70,7 +70,8 @@ def is_set(config: Any, name: str) -> bool:
 
 
 def _field_types(cls) -> dict[str, tuple[type, bool]]:
-    """``{name: (base type, accepts None)}`` for every field of ``cls``."""
+    """``{name: (base type, accepts None)}`` for every field of ``cls``; a field typed
+    ``str | tuple[str, ...]`` is a ``str`` that may be given several times (``repeated``)."""
     hints = typing.get_type_hints(cls)
     result = {}
     for field in dataclasses.fields(cls):
@@ -78,6 +79,8 @@ def _field_types(cls) -> dict[str, tuple[type, bool]]:
         if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
             members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
             optional = len(members) < len(typing.get_args(hint))
+            if members == [str, tuple[str, ...]]:
+                members = [str]
             if len(members) != 1:
                 raise TypeError(f"{cls.__name__}.{field.name}: unsupported type {hint}")
             hint = members[0]
@@ -87,8 +90,22 @@ def _field_types(cls) -> dict[str, tuple[type, bool]]:
     return result
 
 
-def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
-    """``value`` as ``kind``, converting only where no information is lost."""
+def repeated(cls) -> set[str]:
+    """The fields of ``cls`` that may be given several times (``str | tuple[str, ...]``):
+    one value is a ``str``, several a tuple of them."""
+    hints = typing.get_type_hints(cls)
+    return {field.name for field in dataclasses.fields(cls)
+            if tuple[str, ...] in typing.get_args(hints[field.name])}  # fmt: skip
+
+
+def _coerce(name: str, value: Any, kind: type, optional: bool, several: bool = False) -> Any:
+    """``value`` as ``kind``, converting only where no information is lost; ``several``:
+    a list of them too, one value as itself."""
+    if several and isinstance(value, list | tuple):
+        if not value:
+            raise ConfigError(f"{flag(name)}: an empty list")
+        values = tuple(_coerce(name, item, kind, False) for item in value)
+        return values[0] if len(values) == 1 else values
     if value is None:
         if optional:
             return None
@@ -114,10 +131,12 @@ def _coerce(name: str, value: Any, kind: type, optional: bool) -> Any:
 
 def validate(config: Any) -> None:
     """Check and normalise every field of ``config`` in place; raises ``ConfigError``."""
-    field_types = _field_types(type(config))
+    field_types, several = _field_types(type(config)), repeated(type(config))
     for field in dataclasses.fields(config):
         kind, optional = field_types[field.name]
-        value = _coerce(field.name, getattr(config, field.name), kind, optional)
+        value = _coerce(
+            field.name, getattr(config, field.name), kind, optional, field.name in several
+        )
         object.__setattr__(config, field.name, value)
         if value is None:
             continue
@@ -180,7 +199,7 @@ def parser(cls, description: str) -> argparse.ArgumentParser:
         metavar="FILE",
         help="YAML or JSON file of options (keys as below, with - or _); flags override it",
     )
-    field_types = _field_types(cls)
+    field_types, several = _field_types(cls), repeated(cls)
     for field in dataclasses.fields(cls):
         kind, optional = field_types[field.name]
         default = "none" if field.default is None else field.default
@@ -193,6 +212,7 @@ def parser(cls, description: str) -> argparse.ArgumentParser:
             continue
         result.add_argument(
             flag(field.name),
+            action="append" if field.name in several else "store",
             type=_parse_value(kind, optional),
             choices=field.metadata["choices"],
             metavar=None if field.metadata["choices"] else kind.__name__.upper(),

@@ -43,6 +43,8 @@ from models.vision import IMAGE_POOLINGS
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 #: What only ``--streaming`` reads.
 STREAMING_OPTIONS = ("streams", "shuffle_buffer", "skip_bad_rows", "stream_split")
+#: What only a mixture (several ``--dataset``) reads.
+MIXTURE_OPTIONS = ("mixture", "mixture_weights", "mixture_temperature")
 
 
 @dataclass
@@ -52,8 +54,8 @@ class TrainConfig:
     Options left at None take the derived defaults of ``resolved()``."""
 
     # Data
-    dataset: str | None = option(
-        None, "hub name, folder, save_to_disk dir or data file; none: the offline digits"
+    dataset: str | tuple[str, ...] | None = option(
+        None, "hub name, folder, save_to_disk dir or data file; several: a mixture"
     )
     dataset_config: str | None = option(None, "the dataset's configuration (load_dataset's name=)")
     split: str = option("train", "the split to train on")
@@ -86,6 +88,16 @@ class TrainConfig:
     shuffle_buffer: int = option(1000, "--streaming: rows each stream shuffles", at_least=1)
     skip_bad_rows: bool = option(
         False, "--streaming: skip unusable rows (a bad JSON line, a missing member) instead"
+    )
+    mixture: str = option(
+        "proportional", "several --dataset: each global batch from one, by weight or in turn",
+        choices=("proportional", "round-robin"),
+    )  # fmt: skip
+    mixture_weights: str | None = option(
+        None, "proportional: weights, one per --dataset; none: by rows (tables)"
+    )
+    mixture_temperature: float = option(
+        1.0, "proportional by rows: weights rows^(1/T); large T: uniform", above=0.0
     )
     num_workers: int | None = option(
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
@@ -162,8 +174,8 @@ class TrainConfig:
     )  # fmt: skip
     sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
     # Text pairs (--method pairs)
-    columns: str | None = option(
-        None, "pairs: columns anchor,positive[,negative...] (sentence-transformers' order)"
+    columns: str | tuple[str, ...] | None = option(
+        None, "pairs: anchor,positive[,negative...]; one for all --dataset or one each"
     )
     text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
     clip_model: str | None = option(
@@ -300,6 +312,7 @@ class TrainConfig:
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         METHODS[method].check(self)  # first: --image-model replaces --model's tower
         self._check_streaming()
+        self._check_mixture()
         if self.gradient_checkpointing and self.model == "mlp" and self.chosen_method != "pairs":
             raise ConfigError(
                 "--gradient-checkpointing applies to the resnets, the vits and transformers "
@@ -337,6 +350,51 @@ class TrainConfig:
                 )
 
     @property
+    def mixed(self) -> bool:
+        """Whether ``--dataset`` names several sources: a mixture."""
+        return isinstance(self.dataset, tuple)
+
+    def _check_mixture(self) -> None:
+        if not self.mixed:
+            for name in MIXTURE_OPTIONS:
+                if is_set(self, name):
+                    raise ConfigError(f"{flag(name)} applies to a mixture: several --dataset")
+            if isinstance(self.columns, tuple):
+                raise ConfigError("several --columns need as many --dataset (a mixture)")
+            return
+        if self.chosen_method != "pairs" or self.max_steps is None:
+            raise ConfigError(
+                "a mixture (several --dataset) trains --method pairs (text pairs) for "
+                "--max-steps steps"
+            )
+        if isinstance(self.columns, tuple) and len(self.columns) != len(self.dataset):
+            raise ConfigError(
+                f"--columns is given {len(self.columns)} times for {len(self.dataset)} "
+                "--dataset: once for all, or once each"
+            )
+        for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
+            if is_set(self, name):
+                raise ConfigError(f"{flag(name)} does not apply to a mixture")
+        if self.mixture == "round-robin":
+            for name in ("mixture_weights", "mixture_temperature"):
+                if is_set(self, name):
+                    raise ConfigError(f"{flag(name)} applies to --mixture proportional")
+        if self.mixture_weights is not None:
+            if is_set(self, "mixture_temperature"):
+                raise ConfigError(
+                    "--mixture-temperature applies to weights by rows, not given ones"
+                )
+            try:
+                weights = [float(weight) for weight in self.mixture_weights.split(",")]
+            except ValueError:
+                weights = []
+            if len(weights) != len(self.dataset) or not all(w > 0 for w in weights):
+                raise ConfigError(
+                    f"--mixture-weights {self.mixture_weights}: {len(self.dataset)} positive "
+                    "numbers, one per --dataset"
+                )
+
+    @property
     def chosen_method(self) -> str:
         """``--method``, or its default: pairs with ``--columns``, else simclr."""
         return self.method or ("pairs" if self.columns else "simclr")
@@ -348,9 +406,8 @@ class TrainConfig:
         left out."""
         names = {field.name for field in dataclasses.fields(cls)}
         values = {name: value for name, value in values.items() if name in names}
-        shape = cls(
-            **{name: values[name] for name in ("method", "loss", "columns") if name in values}
-        )
+        shaping = ("method", "loss", "columns", "dataset", "max_steps", "streaming")
+        shape = cls(**{name: values[name] for name in shaping if name in values})
         read = METHODS[shape.chosen_method].read_by(shape)
         return cls(
             **{name: value for name, value in values.items()
@@ -446,9 +503,10 @@ def check_launch(config: TrainConfig, accelerator: Accelerator, own_accelerator:
 
 def check_data(config: TrainConfig, data) -> None:
     """Refuse what the options ask of these data (``config`` resolved)."""
-    # A stream has no length (``StreamBatches`` refuses fewer streams than processes).
-    if not config.streaming and batches_per_epoch(len(data.train), config.batch_size,
-                                                  config.drop_last) == 0:  # fmt: skip
+    # A stream or a mixture has no epochs (``StreamBatches`` refuses fewer streams than
+    # processes).
+    epochs = not (config.streaming or config.mixed)
+    if epochs and batches_per_epoch(len(data.train), config.batch_size, config.drop_last) == 0:
         raise TrainerError(
             f"--batch-size {config.batch_size} exceeds the {len(data.train)} training samples "
             "with --drop-last"

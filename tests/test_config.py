@@ -18,7 +18,7 @@ from contrastive_accelerate.methods import (
     METHOD_OPTIONS,
     TEXT_OPTIONS,
 )
-from contrastive_accelerate.options import STREAMING_OPTIONS, check_data
+from contrastive_accelerate.options import MIXTURE_OPTIONS, STREAMING_OPTIONS, check_data
 from trainer import TrainConfig
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -44,8 +44,10 @@ def _other_value(field: dataclasses.Field):
 VALUES = {field.name: _other_value(field) for field in FIELDS}
 VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is valid
 VALUES["zero_shot_template"] = "a photo of a {}"  # the class name's place, marked
+VALUES["mixture_weights"] = "2,1"  # one per source of MIXED
 # Options valid only beside another option's value.
 STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
+MIXED = ["--dataset", "one", "--dataset", "two", "--max-steps", "5", "--columns", "a,b"]
 COMPANIONS = {
     "dropout": ["--model", "mlp"],
     "drop_path": ["--model", "vit_tiny"],
@@ -66,6 +68,7 @@ COMPANIONS = {
     **{name: ["--columns", "a,b", "--lora-rank", "4"] for name in LORA_OPTIONS[1:]},
     **{name: [*STREAMED, "--streaming"] for name in STREAMING_OPTIONS},
     "streaming": STREAMED,
+    **{name: MIXED for name in MIXTURE_OPTIONS},
 }
 
 
@@ -104,8 +107,9 @@ def test_derived_defaults_are_resolved_in_one_place():
         "clip_model",
         "lora_target_modules",
         "zero_shot_template",
-        "streams",
-    }  # fmt: skip  (streams: from the shards, by find_shards)
+        "streams",  # from the shards (find_shards)
+        "mixture_weights",  # from the sources' sizes (mixture_weights)
+    }
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
@@ -141,7 +145,7 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # --overwrite-output-dir and --resume-from exclude each other, and each method takes
     # its own options (DINO's local crops a resnet or a vit): every field is in one of three files.
     vit = ("drop_path", "gradient_checkpointing", "fsdp")  # in the vit's file only
-    streamed = ("streaming", *STREAMING_OPTIONS)  # in a file of their own
+    streamed = ("streaming", *STREAMING_OPTIONS, *MIXTURE_OPTIONS)  # in files of their own
     shared = {n: v for n, v in VALUES.items()
               if n not in ("method", *vit, *METHOD_OPTIONS, *streamed)}  # fmt: skip
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
@@ -158,8 +162,10 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
         {**shared, **moco, "resume_from": None},
         {**shared, **dino, "resume_from": None, "dropout": None, "model": "resnet34"},
     ]
-    files.append({"dataset": "shards", "max_steps": 5, "columns": "a,b",
-                  **{name: VALUES[name] for name in streamed}})  # fmt: skip
+    stream = {"dataset": "shards", "max_steps": 5, "columns": "a,b"}
+    files.append({**stream, **{name: VALUES[name] for name in ("streaming", *STREAMING_OPTIONS)}})
+    mixed = {"dataset": ["one", "two"], "max_steps": 5, "columns": ["a,b", "a,b,c"]}
+    files += [{**mixed, name: VALUES[name]} for name in MIXTURE_OPTIONS]
     # Each loss's own options, in a file of its own.
     files += [{"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in LOSSES.items()]
     for values in files:
@@ -168,7 +174,9 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
         text = json.dumps(values) if suffix == ".json" else yaml.safe_dump(values)
         path.write_text(text)
         config = parse_args(TrainConfig, ["--config", str(path)])
-        assert {name: getattr(config, name) for name in values} == values
+        as_read = {name: list(v) if isinstance(v, tuple) else v
+                   for name, v in ((name, getattr(config, name)) for name in values)}  # fmt: skip
+        assert as_read == values
 
 
 def test_command_line_overrides_the_file_and_dashes_are_accepted(tmp_path):
@@ -353,3 +361,28 @@ def test_text_pair_options_are_refused_when_the_data_are_image_text(options):
         check_data(config, image_text)
     if "logit_bias_init" not in options:  # the text pairs' own options
         check_data(config, text)
+
+
+def test_a_dataset_given_several_times_is_a_mixture_of_them(tmp_path):
+    """``--dataset`` (and ``--columns``) repeated, or a list in a file, is a tuple: one
+    given once is the string; a flag replaces the file's list."""
+    config = parse_args(TrainConfig, MIXED + ["--columns", "q,d,n"])
+    assert config.dataset == ("one", "two") and config.mixed
+    assert config.columns == ("a,b", "q,d,n")
+    single = parse_args(TrainConfig, ["--dataset", "one"])
+    assert single.dataset == "one" and not single.mixed
+    path = tmp_path / "run.yaml"
+    path.write_text("dataset: [one, two, three]\nmax_steps: 5\ncolumns: a,b\n")
+    assert parse_args(TrainConfig, ["--config", str(path)]).dataset == ("one", "two", "three")
+    assert parse_args(TrainConfig, ["--config", str(path), "--dataset", "x"]).dataset == "x"
+    refused = {
+        "--mixture-weights 2": [*MIXED, "--mixture-weights", "2"],
+        "--columns is given 3 times": [*MIXED, "--columns", "c,d", "--columns", "e,f"],
+        "applies to a mixture": ["--dataset", "one", "--mixture", "round-robin"],
+        "applies to --mixture proportional": [*MIXED, "--mixture", "round-robin",
+                                              "--mixture-weights", "1,2"],
+        "trains --method pairs": MIXED[:4],
+    }  # fmt: skip
+    for message, argv in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_args(TrainConfig, argv)

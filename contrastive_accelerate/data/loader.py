@@ -11,6 +11,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Dataset
 
 from contrastive_accelerate.compat import shutdown_workers
+from contrastive_accelerate.data.mixture import Mixture, MixtureBatches
 from contrastive_accelerate.data.sampler import GlobalBatchSampler
 from contrastive_accelerate.data.streams import ShardStreams, StreamBatches
 from contrastive_accelerate.preemption import ignore_stop_signals
@@ -27,7 +28,7 @@ def train_loader(
     padded_batches: bool = False,
     duplicate_keys=None,
     per_rank_streams: bool = False,
-) -> tuple[DataLoader, GlobalBatchSampler | StreamBatches]:
+) -> tuple[DataLoader, GlobalBatchSampler | StreamBatches | MixtureBatches]:
     """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
     the first batch. Its workers persist across epochs (safe: each item's randomness
     depends on its (epoch, index), not on the worker). ``num_workers`` None: one per
@@ -36,15 +37,19 @@ def train_loader(
     repeated samples (a negative control). ``duplicate_keys``: no global batch holds two
     samples sharing a key (``sampler.without_duplicates``). A dataset of a stream
     (``ShardStreams`` rows, ``dataset.item`` and ``dataset.problem``) is read by
-    ``StreamBatches``, the loop's sampler then; ``per_rank_streams``: its control."""
+    ``StreamBatches``, the loop's sampler then; ``per_rank_streams``: its control. A
+    ``data.mixture.Mixture`` of such datasets is read by ``MixtureBatches``."""
     rank, world_size = accelerator.process_index, accelerator.num_processes
     if num_workers is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
         num_workers = min(4, max(0, (cores or 1) // local_processes - 1))
-    if isinstance(
-        getattr(dataset, "dataset", None), ShardStreams
-    ):  # its own batches: see data.streams
+    if isinstance(dataset, Mixture):  # its own batches: see data.mixture
+        mixture = MixtureBatches(dataset, batch_size, seed, rank, world_size)
+        loader = DataLoader(mixture, batch_size=None, collate_fn=as_built,
+                            **_workers(num_workers, accelerator))  # fmt: skip
+        return loader, mixture
+    if isinstance(getattr(dataset, "dataset", None), ShardStreams):  # see data.streams
         stream = StreamBatches(dataset.dataset, dataset.item, dataset.collate, dataset.problem,
                                batch_size, seed, rank, world_size, per_rank_streams)  # fmt: skip
         loader = DataLoader(stream, batch_size=None, collate_fn=as_built,

@@ -153,6 +153,68 @@ def load_streamed_pairs(
     )  # fmt: skip
 
 
+@dataclass
+class MixedPairs:
+    """A mixture's sources (text pairs, each ``PairData`` with its own columns), their
+    names and weights (None: round-robin): what ``data.mixture.Mixture`` draws from."""
+
+    sources: list[PairData]
+    names: list[str]
+    weights: list[float] | None
+    image_column = None
+    label_column = None
+    evaluation = None
+    evaluation_source: str = "retrieval evaluation: off (a mixture has no held-out rows)"
+
+    @property
+    def train(self) -> tuple:
+        return tuple(source.train for source in self.sources)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every source's columns, in order."""
+        return tuple(dict.fromkeys(c for source in self.sources for c in source.columns))
+
+    @property
+    def streamed(self) -> bool:
+        return any(source.streamed for source in self.sources)
+
+
+def load_mixture(
+    names: tuple[str, ...], columns: list[tuple[str, ...]], *, streaming: bool,
+    streams: int | None, shuffle_buffer: int, mixture: str, weights: list[float] | None,
+    temperature: float,
+) -> MixedPairs:  # fmt: skip
+    """Each of ``names`` with its ``columns``: with ``streaming`` a stream
+    (``load_streamed_pairs``) unless it is a table (a data file or a ``save_to_disk``
+    directory), else a table; all text pairs. ``mixture`` "round-robin" or
+    "proportional" to ``weights`` or to the tables' rows (``mixture_weights``)."""
+    from contrastive_accelerate.data.mixture import mixture_weights
+
+    sources = []
+    for name, source_columns in zip(names, columns, strict=True):
+        if streaming and not _is_table(name):
+            data = load_streamed_pairs(name, source_columns, streams, shuffle_buffer)
+        else:
+            data = load_pair_dataset(name, source_columns, evaluate=False)
+        if data.image_column is not None:
+            raise DataError(f"a mixture is of text pairs: --dataset {name!r} has images")
+        sources.append(data)
+    labels = [os.path.basename(os.path.normpath(name)) or name for name in names]
+    labels = [label if labels.count(label) == 1 else f"{label}#{number}"
+              for number, label in enumerate(labels)]  # fmt: skip
+    if mixture == "round-robin":
+        return MixedPairs(sources, labels, None)
+    sizes = [None if data.streamed else len(data.train) for data in sources]
+    return MixedPairs(sources, labels, mixture_weights(sizes, weights, temperature))
+
+
+def _is_table(name: str) -> bool:
+    """A data file or a ``save_to_disk`` directory: rows with a length."""
+    marks = ("dataset_dict.json", "state.json")
+    return os.path.isfile(name) or any(os.path.exists(os.path.join(name, m)) for m in marks)
+
+
 def _is_image(value) -> bool:
     from PIL import Image
 
@@ -185,6 +247,8 @@ def training_texts(data: PairData, columns: Sequence[str]) -> list[str]:
     """Every text of ``columns`` in the training split, each of a row's list; of a
     stream, those of its first shard: what start-up can read (a scratch tower's
     vocabulary, the truncation notice)."""
+    if isinstance(data, MixedPairs):
+        return [text for source in data.sources for text in training_texts(source, source.columns)]
     if data.streamed:
         rows = data.train.first_rows()
         values = [

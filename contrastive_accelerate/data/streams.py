@@ -354,21 +354,24 @@ class StreamBatches(torch.utils.data.IterableDataset):
         return self.shares
 
     def __iter__(self) -> Iterator[Any]:
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        worker, workers = worker_share()
+        for step, rows in enumerate(self.share_rows(self.first_step), self.first_step):
+            if (step - self.first_step) % workers == worker:
+                yield self.batch(rows)
+
+    def share_rows(self, first_batch: int) -> Iterator[list[tuple[int, int, dict | BadRow]]]:
+        """This rank's rows of global batch ``first_batch``, then of each next one."""
         counts = [self.rows_per_stream[v] for v in self.streams]
         readers = [
-            itertools.islice(self.source.rows(v, self.seed), self.first_step * count, None)
+            itertools.islice(self.source.rows(v, self.seed), first_batch * count, None)
             for v, count in zip(self.streams, counts, strict=True)
         ]
-        for step in itertools.count(self.first_step):
-            rows = [
+        while True:
+            yield [
                 row
                 for reader, count in zip(readers, counts, strict=True)
                 for row in itertools.islice(reader, count)
             ]
-            if (step - self.first_step) % workers == worker:
-                yield self.batch(rows)
 
     def batch(self, rows: Sequence[tuple[int, int, dict | BadRow]]) -> Any:
         """The collated rows that can be used; the others in its ``unreadable``."""
@@ -387,6 +390,12 @@ class StreamBatches(torch.utils.data.IterableDataset):
         return batch._replace(unreadable=[*batch.unreadable, *bad]) if bad else batch
 
 
+def worker_share() -> tuple[int, int]:
+    """(this loader worker's number, the number of workers): (0, 1) without workers."""
+    info = torch.utils.data.get_worker_info()
+    return (info.id, info.num_workers) if info else (0, 1)
+
+
 def per_rank_shards(source: ShardStreams, rank: int, world_size: int) -> ShardStreams:
     """The control's source: shards ``rank::world_size`` as one stream (a hub dataset's
     through ``shard`` again)."""
@@ -400,7 +409,13 @@ def per_rank_shards(source: ShardStreams, rank: int, world_size: int) -> ShardSt
 
 def described(train) -> tuple[int, dict[str, dict[str, str]]]:
     """What a resume compares of the training data: a table's number of rows; a stream's
-    shards (``RunState.inputs``), its length being unknown."""
+    shards (``RunState.inputs``), its length being unknown; a mixture's (a tuple), each
+    source's."""
     if isinstance(train, ShardStreams):
         return 0, {"dataset": {"shards": train.digest()}}
+    if isinstance(train, tuple):  # a mixture's sources
+        parts = [described(source) for source in train]
+        digests = {f"source {number}": inputs["dataset"]["shards"] if inputs else str(rows)
+                   for number, (rows, inputs) in enumerate(parts)}  # fmt: skip
+        return 0, {"dataset": digests}
     return len(train), {}

@@ -17,6 +17,7 @@ from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.data.pairs import (
     PairData,
     count_truncated,
+    load_mixture,
     load_pair_dataset,
     load_streamed_pairs,
     training_texts,
@@ -103,13 +104,28 @@ class PairsMethod(Method):
 
 def pair_data(config) -> PairData:
     """The columns of ``--dataset`` named by ``--columns``: text, or an image and text."""
-    columns = tuple(column.strip() for column in config.columns.split(","))
+    if config.mixed:
+        given = config.columns if isinstance(config.columns, tuple) else (config.columns,)
+        columns = [split_columns(value) for value in given] * (len(config.dataset) // len(given))
+        weights = config.mixture_weights
+        return load_mixture(
+            config.dataset, columns, streaming=config.streaming, streams=config.streams,
+            shuffle_buffer=config.shuffle_buffer, mixture=config.mixture,
+            weights=[float(w) for w in weights.split(",")] if weights else None,
+            temperature=config.mixture_temperature,
+        )  # fmt: skip
+    columns = split_columns(config.columns)
     if config.streaming:
         return load_streamed_pairs(
             config.dataset, columns, config.streams, config.shuffle_buffer,
             config_name=config.dataset_config, split=config.split,
         )  # fmt: skip
     return load_pair_dataset(config.dataset, columns, **dataset_options(config))
+
+
+def split_columns(value: str) -> tuple[str, ...]:
+    """``--columns a,b,c`` as its names."""
+    return tuple(column.strip() for column in value.split(","))
 
 
 def build(config, data: PairData, world_size: int, say: Say, **kwargs) -> PairsMethod:
@@ -182,8 +198,9 @@ def check_data(config, data: PairData) -> None:
             raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl")
         # Only the data tell text pairs from image-text: the options cannot refuse these.
         defaults = type(config)(
-            dataset=config.dataset, columns=config.columns, loss=config.loss
-        ).resolved()
+            dataset=config.dataset, columns=config.columns, loss=config.loss,
+            max_steps=config.max_steps, streaming=config.streaming,
+        ).resolved()  # fmt: skip
         for name in IMAGE_OPTIONS:
             if getattr(config, name) != getattr(defaults, name):
                 raise TrainerError(

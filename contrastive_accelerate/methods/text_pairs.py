@@ -11,7 +11,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from contrastive_accelerate.data.pairs import PairBatch, PairData, TextColumns
+from contrastive_accelerate.data.mixture import Mixture
+from contrastive_accelerate.data.pairs import MixedPairs, PairBatch, PairData, TextColumns
 from contrastive_accelerate.knn import KnnData
 from contrastive_accelerate.methods.base import DTYPES, Say
 from contrastive_accelerate.methods.pairs import (
@@ -67,9 +68,17 @@ class TextPairsMethod(PairsMethod):
         tokenizers = [tokenizer] * len(towers)
         self.model = TextPairModel(towers, tokenizers, max_length=config.max_length)
         say_truncated(data, data.columns, tokenizer, config.max_length, say)
-        self.dataset = TextColumns(
-            data.train, data.columns, tokenizers[0], config.max_length, config.seed
-        )
+        if isinstance(data, MixedPairs):  # each source its own columns
+            self.dataset = Mixture(
+                [TextColumns(source.train, source.columns, tokenizer, config.max_length,
+                             config.seed) for source in data.sources],
+                data.names,
+                data.weights,
+            )  # fmt: skip
+        else:
+            self.dataset = TextColumns(
+                data.train, data.columns, tokenizer, config.max_length, config.seed
+            )
         self.evaluation, self.columns = data.evaluation, data.columns
         self.tokenizer, self.max_length = tokenizers[0], config.max_length
         self.criterion = MultipleNegativesRankingLoss(

@@ -1,0 +1,168 @@
+"""Mixtures (``--dataset`` given several times): every global batch from one source, the
+same source on every rank, and the same batches on any number of processes.
+
+- **The source of step t** is drawn from (seed, t) alone: with ``--mixture
+  proportional`` by the weights (``--mixture-weights``, or each table's rows to the
+  power ``1 / --mixture-temperature``), with ``round-robin`` ``t mod S``. Every rank
+  draws the same one, so a global batch never mixes sources, as sentence-transformers'
+  samplers and BGE's ``same_dataset_within_batch`` want of a batch, here of the global one.
+- **Each source's own sequence of global batches.** Source s's k-th batch is the k-th of
+  its own order: a table's from ``GlobalBatchSampler`` (epoch ``k div`` its batches per
+  epoch, its permutation from (seed, s, epoch)), a stream's from its streams
+  (``data.streams``). k is the number of earlier steps that drew s: a function of t,
+  which makes a resume exact on any number of processes, including which source is
+  next, with nothing saved.
+- **Ranks and workers** as for one source: a table's batch is split into contiguous
+  shares, a stream's ranks own whole streams; worker k of a rank builds the steps
+  ``(t - first) mod K = k``.
+
+Sources may differ in their columns (one with a hard negative, one without) and size.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from contrastive_accelerate.data.sampler import (
+    GlobalBatchSampler,
+    batches_per_epoch,
+    derive_seed,
+    share_sizes,
+)
+from contrastive_accelerate.data.streams import ShardStreams, StreamBatches, worker_share
+
+#: ``derive_seed``'s stream for the source of each step, and for each table's order.
+MIXTURE_STREAM = 4
+
+
+@dataclass
+class Mixture:
+    """Sources as a method's datasets (``item``, ``collate``, ``problem``; rows a table
+    or ``ShardStreams``), their names, and ``weights`` (None: round-robin)."""
+
+    datasets: list[Any]
+    names: list[str]
+    weights: list[float] | None
+
+    def source_of(self, step: int, seed: int) -> int:
+        """The source of global batch ``step``: from (seed, step) alone."""
+        if self.weights is None:
+            return step % len(self.datasets)
+        draws = random.Random(derive_seed(seed, MIXTURE_STREAM, step))
+        return draws.choices(range(len(self.datasets)), self.weights)[0]
+
+    def steps_per_source(
+        self, steps: int, seed: int, since: tuple[int, list[int]] = (0, [])
+    ) -> list[int]:
+        """How many of steps ``0 .. steps - 1`` drew each source; ``since``: the counts
+        of an earlier number of steps, to count on from."""
+        first, counted = since if since[0] <= steps else (0, [])
+        counts = collections.Counter(self.source_of(step, seed) for step in range(first, steps))
+        return [counts[source] + (counted[source] if counted else 0)
+                for source in range(len(self.datasets))]  # fmt: skip
+
+
+def mixture_weights(
+    sizes: Sequence[int | None], weights: Sequence[float] | None, temperature: float
+) -> list[float]:
+    """The given ``weights``, or each source's rows to the power ``1 / temperature``
+    (1: proportional to size; large: uniform); a stream has no size and needs weights."""
+    if weights is not None:
+        return list(weights)
+    if any(size is None for size in sizes):
+        from contrastive_accelerate.data.sources import DataError
+
+        raise DataError("a mixture with a streamed source needs --mixture-weights (no size)")
+    return [size ** (1 / temperature) for size in sizes]
+
+
+class MixtureBatches(torch.utils.data.IterableDataset):
+    """This rank's share of every global batch of a ``Mixture`` from ``first_step`` on;
+    the loop's sampler (``set_epoch``, ``share_sizes``, ``steps_per_source``).
+    ``per_rank_choice``, the negative control: each rank draws its own source (seed +
+    rank), so that a global batch mixes sources."""
+
+    def __init__(
+        self,
+        mixture: Mixture,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        per_rank_choice: bool = False,
+    ) -> None:
+        self.mixture, self.batch_size, self.seed = mixture, batch_size, seed
+        self.rank, self.world_size, self.first_step = rank, world_size, 0
+        self.choice_seed = seed + rank if per_rank_choice else seed
+        self._counted: tuple[int, list[int]] = (0, [])
+        self.streams = {
+            source: StreamBatches(dataset.dataset, dataset.item, dataset.collate,
+                                  dataset.problem, batch_size, seed, rank, world_size)
+            for source, dataset in enumerate(mixture.datasets)
+            if isinstance(dataset.dataset, ShardStreams)
+        }  # fmt: skip
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """A mixture is one epoch: ``start_batch`` is the step to start from."""
+        self.first_step = start_batch
+
+    def steps_per_source(self, steps: int) -> dict[str, int]:
+        """Each source's steps among the first ``steps``, by name (``steps/NAME``)."""
+        names = self.mixture.names
+        return {f"steps/{name}": count
+                for name, count in zip(names, self._counts(steps), strict=True)}  # fmt: skip
+
+    def _counts(self, steps: int) -> list[int]:
+        """``Mixture.steps_per_source``, counted on from the last call's (the loop asks for
+        each step in turn: replaying every earlier step each time would be quadratic)."""
+        counts = self.mixture.steps_per_source(steps, self.choice_seed, self._counted)
+        self._counted = (steps, counts)
+        return counts
+
+    def share_sizes(self, step: int) -> list[int]:
+        source = self.mixture.source_of(step, self.choice_seed)
+        if source in self.streams:
+            return self.streams[source].shares
+        batch = self._counts(step)[source] % self._batches_per_epoch(source)
+        rows = len(self.mixture.datasets[source])
+        return share_sizes(min(self.batch_size, rows - batch * self.batch_size), self.world_size)
+
+    def _batches_per_epoch(self, source: int) -> int:
+        rows = len(self.mixture.datasets[source])
+        return batches_per_epoch(rows, self.batch_size, drop_last=False)
+
+    def _sampler(self, source: int, epoch: int) -> GlobalBatchSampler:
+        seed = derive_seed(self.seed, MIXTURE_STREAM, source)
+        return GlobalBatchSampler(len(self.mixture.datasets[source]), self.batch_size, epoch,
+                                  seed, self.rank, self.world_size)  # fmt: skip
+
+    def __iter__(self) -> Iterator[Any]:
+        worker, workers = worker_share()
+        cursors = self.mixture.steps_per_source(self.first_step, self.choice_seed)
+        rows = {source: stream.share_rows(cursors[source])
+                for source, stream in self.streams.items()}  # fmt: skip
+        orders: dict[tuple[int, int], list] = {}
+        for step in itertools.count(self.first_step):
+            source = self.mixture.source_of(step, self.choice_seed)
+            k, cursors[source] = cursors[source], cursors[source] + 1
+            mine = (step - self.first_step) % workers == worker
+            if source in self.streams:
+                share = next(rows[source])  # read by every worker: the stream's position
+                if mine:
+                    yield self.streams[source].batch(share)
+                continue
+            if not mine:
+                continue
+            epoch, batch = divmod(k, self._batches_per_epoch(source))
+            if (source, epoch) not in orders:  # one permutation per table and epoch
+                orders = {key: value for key, value in orders.items() if key[0] != source}
+                orders[(source, epoch)] = list(self._sampler(source, epoch))
+            dataset = self.mixture.datasets[source]
+            yield dataset.collate([dataset[item] for item in orders[(source, epoch)][batch]])
