@@ -106,7 +106,7 @@ class MixtureBatches(torch.utils.data.IterableDataset):
             source: StreamBatches(dataset.dataset, dataset.item, dataset.collate,
                                   dataset.problem, batch_size, seed, rank, world_size)
             for source, dataset in enumerate(mixture.datasets)
-            if isinstance(dataset.dataset, ShardStreams)
+            if isinstance(getattr(dataset, "dataset", None), ShardStreams)
         }  # fmt: skip
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
