@@ -311,8 +311,7 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         METHODS[method].check(self)  # first: --image-model replaces --model's tower
-        self._check_streaming()
-        self._check_mixture()
+        self._check_streams_and_mixtures()
         if self.gradient_checkpointing and self.model == "mlp" and self.chosen_method != "pairs":
             raise ConfigError(
                 "--gradient-checkpointing applies to the resnets, the vits and transformers "
@@ -325,65 +324,48 @@ class TrainConfig:
                 f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
             )
 
-    def _check_streaming(self) -> None:
-        if not self.streaming:
-            for name in STREAMING_OPTIONS:
-                if is_set(self, name):
-                    raise ConfigError(f"{flag(name)} applies with --streaming")
-            return
-        if self.dataset is None:
-            raise ConfigError("--streaming needs --dataset: a folder or a glob of shards")
-        if self.max_steps is None:
-            raise ConfigError(
-                "--streaming needs --max-steps: a stream's length is not known up front"
-            )
-        if self.chosen_method != "pairs":
-            raise ConfigError(
-                "--streaming trains --method pairs (text pairs, image-text) for now, not "
-                f"{self.chosen_method}"
-            )
-        for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
-            if is_set(self, name):
-                raise ConfigError(
-                    f"{flag(name)} does not apply with --streaming (no epochs, no held-out rows, "
-                    "no look ahead)"
-                )
-
     @property
     def mixed(self) -> bool:
         """Whether ``--dataset`` names several sources: a mixture."""
         return isinstance(self.dataset, tuple)
 
-    def _check_mixture(self) -> None:
-        if not self.mixed:
-            for name in MIXTURE_OPTIONS:
+    def _check_streams_and_mixtures(self) -> None:
+        """A stream or a mixture: no epochs, no held-out rows, text pairs or image-text."""
+        for names, given, what in (
+            (STREAMING_OPTIONS, self.streaming, "with --streaming"),
+            (MIXTURE_OPTIONS, self.mixed, "to several --dataset"),
+        ):
+            for name in names if not given else ():
                 if is_set(self, name):
-                    raise ConfigError(f"{flag(name)} applies to a mixture: several --dataset")
-            if isinstance(self.columns, tuple):
-                raise ConfigError("several --columns need as many --dataset (a mixture)")
+                    raise ConfigError(f"{flag(name)} applies {what}")
+        if isinstance(self.columns, tuple) and not self.mixed:
+            raise ConfigError("several --columns need as many --dataset (a mixture)")
+        if not (self.streaming or self.mixed):
             return
-        if self.chosen_method != "pairs" or self.max_steps is None:
+        if self.dataset is None or self.max_steps is None or self.chosen_method != "pairs":
             raise ConfigError(
-                "a mixture (several --dataset) trains --method pairs (text pairs) for "
-                "--max-steps steps"
+                "--streaming and several --dataset train --method pairs on --dataset for "
+                "--max-steps steps (a stream has no length, a mixture no epochs)"
             )
+        for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
+            if is_set(self, name):
+                raise ConfigError(f"{flag(name)} does not apply to a stream or a mixture")
+        if self.mixed:
+            self._check_mixture()
+
+    def _check_mixture(self) -> None:
         if isinstance(self.columns, tuple) and len(self.columns) != len(self.dataset):
             raise ConfigError(
                 f"--columns is given {len(self.columns)} times for {len(self.dataset)} "
                 "--dataset: once for all, or once each"
             )
-        for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
-            if is_set(self, name):
-                raise ConfigError(f"{flag(name)} does not apply to a mixture")
         if self.mixture == "round-robin":
             for name in ("mixture_weights", "mixture_temperature"):
                 if is_set(self, name):
                     raise ConfigError(f"{flag(name)} applies to --mixture proportional")
         if self.mixture_weights is not None:
             if is_set(self, "mixture_temperature"):
-                raise ConfigError(
-                    "--mixture-temperature applies to weights by rows, not given ones"
-                )
+                raise ConfigError("--mixture-temperature applies to weights by rows, not given")
             try:
                 weights = [float(weight) for weight in self.mixture_weights.split(",")]
             except ValueError:

@@ -378,10 +378,10 @@ def test_a_dataset_given_several_times_is_a_mixture_of_them(tmp_path):
     refused = {
         "--mixture-weights 2": [*MIXED, "--mixture-weights", "2"],
         "--columns is given 3 times": [*MIXED, "--columns", "c,d", "--columns", "e,f"],
-        "applies to a mixture": ["--dataset", "one", "--mixture", "round-robin"],
+        "applies to several --dataset": ["--dataset", "one", "--mixture", "round-robin"],
         "applies to --mixture proportional": [*MIXED, "--mixture", "round-robin",
                                               "--mixture-weights", "1,2"],
-        "trains --method pairs": MIXED[:4],
+        "train --method pairs": MIXED[:4],
     }  # fmt: skip
     for message, argv in refused.items():
         with pytest.raises(ConfigError, match=message):
