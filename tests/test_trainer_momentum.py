@@ -174,16 +174,15 @@ def odd_images(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def dino_mlp(odd_images) -> list[str]:
-    """The mlp's DINO runs: on the 21 images (after the 20 of ``COMMON``'s ``--dataset``,
-    which it overrides), so that 2 processes hold uneven shares."""
-    return [*DINO_MLP, "--dataset", odd_images]
+def odd_runs(tmp_path_factory, odd_images):
+    """The mlp's DINO runs on the 21 images, so that 2 processes hold uneven shares."""
+    return TrainerRuns(tmp_path_factory, *COMMON, "--dataset", odd_images)
 
 
-def test_dino_center_on_uneven_shares(runs, dino_mlp):
-    student, state = differences(runs(1, *dino_mlp), runs(2, *dino_mlp))
+def test_dino_center_on_uneven_shares(odd_runs):
+    student, state = differences(odd_runs(1, *DINO_MLP), odd_runs(2, *DINO_MLP))
     control, control_state = differences(
-        runs(1, *dino_mlp), runs(2, *dino_mlp, "--dino-center", "dino")
+        odd_runs(1, *DINO_MLP), odd_runs(2, *DINO_MLP, "--dino-center", "dino")
     )
     print(f"dino, shares 2 + 1: student {student:.1e}, state {state:.1e}; DINO's center "
           f"formula: student {control:.1e}, state {control_state:.1e}")  # fmt: skip
@@ -191,32 +190,32 @@ def test_dino_center_on_uneven_shares(runs, dino_mlp):
     assert control_state > 1e3 * EXACT
 
 
-def test_dino_mid_epoch_resume_with_the_center_in_flight_is_exact(runs, images, dino_mlp, tmp_path):
+def test_dino_mid_epoch_resume_with_the_center_in_flight_is_exact(odd_runs, odd_images, tmp_path):
     """Step 3 of 4-step epochs: the center has moved, the last layer is still frozen."""
-    straight = runs(1, *dino_mlp)
-    resumed = _resume(images, 1, straight / "checkpoint-3", tmp_path / "resumed", dino_mlp)
+    straight = odd_runs(1, *DINO_MLP)
+    resumed = _resume(odd_images, 1, straight / "checkpoint-3", tmp_path / "resumed", DINO_MLP)
     student, state = differences(straight, resumed)
     print(f"dino resumed at step 3: student {student:.1e}, state {state:.1e}")
     assert student == 0.0 and state == 0.0
 
 
-def test_control_a_center_left_out_of_the_checkpoint(runs, images, dino_mlp, tmp_path):
-    straight = runs(1, *dino_mlp)
+def test_control_a_center_left_out_of_the_checkpoint(odd_runs, odd_images, tmp_path):
+    straight = odd_runs(1, *DINO_MLP)
     checkpoint = tmp_path / "checkpoint-3"
     shutil.copytree(straight / "checkpoint-3", checkpoint)
     state = load_file(str(checkpoint / "method.safetensors"))
     state["center"] = torch.zeros_like(state["center"])  # where a fresh center starts
     save_file(state, str(checkpoint / "method.safetensors"))
-    resumed = _resume(images, 1, checkpoint, tmp_path / "resumed", dino_mlp)
+    resumed = _resume(odd_images, 1, checkpoint, tmp_path / "resumed", DINO_MLP)
     _, state_difference = differences(straight, resumed)
     print(f"center left out of the checkpoint: method state {state_difference:.1e}")
     assert state_difference > 1e3 * EXACT
 
 
-def test_control_per_process_crop_seeding(runs, dino_mlp):
+def test_control_per_process_crop_seeding(odd_runs):
     """Crops drawn from each process's RNG (seed + rank), as most pipelines draw them."""
-    one = runs(1, *dino_mlp)
-    per_process = runs(2, *dino_mlp, "--augmentation-seeding", "per-process")
+    one = odd_runs(1, *DINO_MLP)
+    per_process = odd_runs(2, *DINO_MLP, "--augmentation-seeding", "per-process")
     student, _ = differences(one, per_process)
     print(f"dino, per-process crop seeding, 1 vs 2 processes: student {student:.1e}")
     assert student > 1e3 * EXACT
