@@ -42,7 +42,13 @@ from contrastive_accelerate.methods import METHODS
 from contrastive_accelerate.optim import make_optimizer, warmup_cosine
 from contrastive_accelerate.options import TrainConfig, check_data, check_launch, check_steps
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
-from contrastive_accelerate.ranks import StepChecks, any_rank, on_main_process, raise_together
+from contrastive_accelerate.ranks import (
+    StepChecks,
+    any_rank,
+    on_main_process,
+    raise_together,
+    total_over_ranks,
+)
 from contrastive_accelerate.run_directory import RunDirectory
 from contrastive_accelerate.sharding import is_sharded, reshard_after_evaluation
 
@@ -184,6 +190,7 @@ def _train(
     )
     started, started_step = time.perf_counter(), step
     last_checkpoint, saved_step, preempted, final = None, step, None, None
+    skipped_samples = 0  # by this run, on all ranks (--skip-bad-images, --skip-bad-rows)
     # Signals are honoured from the first step to the last write: a stop is agreed where
     # the ranks meet (each step's start, the final save, each evaluation), and a
     # checkpoint of that step is written before the exit.
@@ -195,6 +202,7 @@ def _train(
                 sampler.set_epoch(epoch, first_batch)
                 for batch in loader:
                     stop, skipped = _stop_requested(signals, batch, config)
+                    skipped_samples += skipped
                     if stop:
                         preempted = signals.requested or "a signal to another rank"
                         if step != saved_step:
@@ -228,9 +236,11 @@ def _train(
                         checks.raise_if_any()
                         trained = (step - started_step) * config.batch_size
                         speed = trained / (time.perf_counter() - started)
-                        sources = sampler.steps_per_source(step) if config.mixed else {}
+                        counts = sampler.steps_per_source(step) if config.mixed else {}
+                        if skipped_samples:
+                            counts["skipped_samples"] = skipped_samples
                         metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed,
-                                        sources)  # fmt: skip
+                                        counts)  # fmt: skip
                     if config.save_every and step % config.save_every == 0:
                         last_checkpoint, saved_step = save(step), step
                     if knn is not None and config.eval_every and step % config.eval_every == 0:
@@ -279,12 +289,13 @@ def _train(
     return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)
 
 
-def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[bool, bool]:
-    """Whether any rank was signalled to stop, and whether any rank skipped a sample (its
-    share is then smaller than the sampler's). One exchange per step, before any other
-    collective of the step, on the host, also says whether any rank drew an unreadable
-    image or a stream's unusable row: an error on every rank, or skipped and said with
-    ``--skip-bad-images`` or ``--skip-bad-rows``."""
+def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[bool, int]:
+    """Whether any rank was signalled to stop, and how many samples the ranks skipped
+    (a rank's share is then smaller than the sampler's). One exchange per step, before
+    any other collective of the step, on the host, also says whether any rank drew an
+    unreadable image or a stream's unusable row: an error on every rank, or skipped, said
+    by its rank and counted on every rank, with ``--skip-bad-images`` or
+    ``--skip-bad-rows``."""
     skip = {UnreadableImage: config.skip_bad_images, BadRow: config.skip_bad_rows}
     flags = {UnreadableImage: "--skip-bad-images", BadRow: "--skip-bad-rows"}
     broken = [error for error in batch.unreadable if not skip[type(error)]]
@@ -295,21 +306,21 @@ def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[b
         raise_together(broken[0] if broken else None)
     for error in batch.unreadable:
         print(f"warning: skipping {error} ({flags[type(error)]})", flush=True)
-    return stop, skipped
+    return stop, total_over_ranks(len(batch.unreadable)) if skipped else 0
 
 
 def _log(
-    accelerator, run, progress, step, loss, lr, epoch, samples_per_s, sources
+    accelerator, run, progress, step, loss, lr, epoch, samples_per_s, counts
 ) -> dict[str, float]:
     """The global loss (each rank's loss is W x its share: the mean is it), the speed and
-    a mixture's steps per source so far, to the progress bar, the trackers and
-    metrics.jsonl."""
+    ``counts`` (a mixture's steps per source, the samples skipped so far), to the progress
+    bar, the trackers and metrics.jsonl."""
     record = {
         "loss": accelerator.reduce(loss.detach(), "mean").item(),
         "samples_per_s": samples_per_s,
         "lr": lr,
         "epoch": epoch,
-        **sources,
+        **counts,
     }
     progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.3g}")
     accelerator.log(record, step=step)

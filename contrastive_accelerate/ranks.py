@@ -33,6 +33,16 @@ def any_rank(*flags: bool) -> list[bool]:
     return [bool(value) for value in values.tolist()]
 
 
+def total_over_ranks(count: int) -> int:
+    """The sum of ``count`` over the ranks, every rank calling it: one small all-reduce on
+    the host, as ``any_rank``."""
+    if not is_distributed():
+        return count
+    value = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(value, group=host_group())
+    return int(value.item())
+
+
 #: "No step yet": the value of ``StepChecks``' first non-finite step until there is one.
 _NEVER = 2**62
 

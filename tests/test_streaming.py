@@ -274,4 +274,7 @@ def test_a_bad_row_is_one_line_on_every_rank_or_skipped_and_said(case, processes
                            str(tmp_path / "skipped"))  # fmt: skip
     warnings = [line for line in skipped.stdout.splitlines() if "(--skip-bad-rows)" in line]
     assert warnings and all(expected in line for line in warnings)
-    print(f"{case}, {processes} process(es): {len(warnings)} row(s) skipped and said")
+    records = [json.loads(line) for line in (tmp_path / "skipped" / "metrics.jsonl").open()]
+    counted = [record["skipped_samples"] for record in records if "skipped_samples" in record]
+    assert counted[-1] == len(warnings)  # said by the rank that drew it, counted on all
+    print(f"{case}, {processes} process(es): {len(warnings)} row(s) skipped, said and counted")
