@@ -39,8 +39,10 @@ def launch(
     timeout: int = LAUNCH_TIMEOUT_S,
     check: bool = True,
     launcher_flags: list[str] | None = None,
+    environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch trainer.py ARGS`` on ``num_processes`` CPU processes."""
+    """``accelerate launch trainer.py ARGS`` on ``num_processes`` CPU processes;
+    ``environment``: variables added to ``ENV``."""
     return launch_script(
         num_processes,
         REPO / "trainer.py",
@@ -48,6 +50,7 @@ def launch(
         timeout=timeout,
         check=check,
         launcher_flags=launcher_flags,
+        environment=environment,
     )
 
 
@@ -295,12 +298,12 @@ def launch_script(
     timeout: int = LAUNCH_TIMEOUT_S,
     check: bool = True,
     launcher_flags: list[str] | None = None,
+    environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """``accelerate launch SCRIPT ARGS`` (a trainer or a user's script) on CPU processes."""
     command = launch_command(num_processes, script, *args, launcher_flags=launcher_flags)
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=REPO
-    )
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env={**ENV, **(environment or {})}, cwd=REPO)  # fmt: skip
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"

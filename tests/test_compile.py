@@ -93,14 +93,22 @@ def test_negative_control_a_changed_size_is_counted():
     assert len(graphs) == 2
 
 
-def test_two_processes_under_inductor_train_the_eager_model(tmp_path):
+def test_two_compiled_processes_train_the_eager_model(tmp_path):
+    """The launcher's ``--dynamo_backend`` on 2 processes: Accelerate compiles the model,
+    dynamo traces it and DDP splits the graph at its buckets, AOTAutograd makes the
+    backward. The backend is ``aot_eager``, every stage but inductor's code generation,
+    whose C++ compile took 90 s of the suite on this 2-core machine; inductor itself is
+    measured by ``benchmarks.compiled`` (its 1-vs-2-process difference included)."""
     common = ["--model", "mlp", "--batch-size", "8", "--max-steps", "3", "--knn-k", "0"]
-    runs = {"eager": tmp_path / "eager", "inductor": tmp_path / "inductor"}
+    runs = {"eager": tmp_path / "eager", "compiled": tmp_path / "compiled"}
     # The eager twin in the pool (which trains what a launch trains: tests/test_pool.py);
     # the launcher's --dynamo_backend is what this test is about.
     train_pooled(2, *common, "--output-dir", str(runs["eager"]))
-    launch(2, *common, "--output-dir", str(runs["inductor"]),
-           launcher_flags=["--dynamo_backend", "inductor"], timeout=600)  # fmt: skip
-    worst = max_abs_diff(final_checkpoint(runs["eager"]), final_checkpoint(runs["inductor"]))
-    print(f"inductor vs eager, 2 processes, 3 steps, float32: max weight difference {worst:.3e}")
+    # TORCH_LOGS=guards prints each compiled frame's guards: proof that it compiled.
+    result = launch(2, *common, "--output-dir", str(runs["compiled"]),
+                    launcher_flags=["--dynamo_backend", "aot_eager"], timeout=600,
+                    environment={"TORCH_LOGS": "guards"})  # fmt: skip
+    assert "GUARDS" in result.stderr, "no frame was compiled"
+    worst = max_abs_diff(final_checkpoint(runs["eager"]), final_checkpoint(runs["compiled"]))
+    print(f"aot_eager vs eager, 2 processes, 3 steps, float32: max weight difference {worst:.3e}")
     assert worst <= 1e-5
