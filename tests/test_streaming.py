@@ -10,6 +10,7 @@ streams end their passes at different steps and processes get uneven shares.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import tarfile
 from pathlib import Path
@@ -148,6 +149,27 @@ def test_a_loader_started_at_step_t_continues_the_straight_one(shards):
     assert global_batches(source, 3, 7, first_step=5) == straight[5:]
     restarted = global_batches(source, 3, 7)
     assert restarted != straight[5:] and restarted == straight[:7]
+
+
+def test_a_tar_of_json_members_streams_the_same_rows_as_jsonl(shards, tmp_path):
+    """Text pairs as webdataset json members: each object's fields are columns, and the
+    rows, keyed alike, are the jsonl shards' rows in the same order."""
+    root = tmp_path / "tar"
+    root.mkdir()
+    for path in sorted(Path(shards["jsonl"]).iterdir()):
+        with tarfile.open(root / f"{path.stem}.tar", "w") as archive:
+            for number, line in enumerate(path.read_text().splitlines()):
+                member = tarfile.TarInfo(f"{number:06d}.json")
+                member.size = len(line.encode())
+                archive.addfile(member, io.BytesIO(line.encode()))
+    columns = ("anchor", "positive", "negative_1")
+
+    def rows(source):
+        return [[tuple(row[c] for c in columns) for row in stream] for stream in
+                (itertools.islice((r for _, _, r in source.rows(v, 3)), 40)
+                 for v in range(source.streams))]  # fmt: skip
+
+    assert rows(find_shards(str(root), None, 4)) == rows(find_shards(shards["jsonl"], None, 4))
 
 
 def test_streams_default_to_the_shards_up_to_8_and_are_refused_beyond_them(shards, tmp_path):

@@ -6,7 +6,8 @@ The design, and why each part is there:
 - **Shards.** ``--dataset`` names a folder or a glob of shards of one format: webdataset
   tar files (each sample's members share a key; its columns are the members'
   extensions, ``png``, ``jpg``, ``txt``, ``json``, ``cls``, as ``datasets``' webdataset
-  builder names them), jsonl or parquet files, sorted by name. Anything else (a hub
+  builder names them, and a ``json`` object's fields), jsonl or parquet files, sorted
+  by name. Anything else (a hub
   name, a dataset repository's folder) is ``load_dataset(..., streaming=True)``, whose
   shards are its ``shard(num_shards, index)``. Nothing is read with random access, and
   nothing needs the number of rows up front.
@@ -260,7 +261,7 @@ def _tar_rows(path: str) -> Iterator[dict | BadRow]:
                     continue
                 if (directory, stem) != key:
                     if row:
-                        yield row
+                        yield _with_json_fields(row)
                     key = (directory, stem)
                     row = {SOURCE_KEY: f"{path}, {os.path.join(directory, stem)}"}
                 data = archive.extractfile(member).read()
@@ -272,7 +273,14 @@ def _tar_rows(path: str) -> Iterator[dict | BadRow]:
     if problem is not None:
         yield BadRow(f"{path}: truncated or malformed tar after {member_name!r} ({problem})")
     elif row:
-        yield row
+        yield _with_json_fields(row)
+
+
+def _with_json_fields(row: dict) -> dict:
+    """A sample whose ``json`` member is an object also has its fields as columns (text
+    pairs as json members: ``--columns anchor,positive``); members keep their names."""
+    fields = row.get("json")
+    return {**fields, **row} if isinstance(fields, dict) else row
 
 
 def _ends_like_a_tar(path: str) -> bool:
