@@ -111,6 +111,24 @@ class TrainerRuns:
         return self.runs[(processes, flags)][1]
 
 
+def resumed_differences(
+    runs: TrainerRuns, step: int, tmp_path: Path, workers: tuple[int, int]
+) -> tuple[float, float]:
+    """The exact and the elastic resume of ``runs``' command line (which needs no epochs:
+    a stream, a mixture): the 1-process straight run's checkpoint at ``step`` resumed on 1
+    process, and a 2-process run's resumed on 3 (with ``workers`` loader workers each),
+    each final/ against the 1-process straight run's."""
+    straight = runs(1, "--num-workers", "0", "--save-every", str(step))
+    two = runs(2, "--num-workers", "0", "--save-every", str(step))
+    differences = []
+    for processes, run, count in ((1, straight, workers[0]), (3, two, workers[1])):
+        output = tmp_path / f"resumed-on-{processes}"
+        train_pooled(processes, *runs.common_args, "--num-workers", str(count), "--output-dir",
+                     str(output), "--resume-from", str(run / f"checkpoint-{step}"))  # fmt: skip
+        differences.append(final_files_difference(straight, output))
+    return differences[0], differences[1]
+
+
 def train_pooled(
     num_processes: int,
     *trainer_args: str,

@@ -24,6 +24,7 @@ from launch import (
     make_sentence_pairs,
     make_text_pair_shards,
     one_line_errors,
+    resumed_differences,
     train_pooled,
 )
 
@@ -178,22 +179,10 @@ def test_the_log_counts_the_steps_of_each_source(runs, sources):
     assert counts == expected and all(counts.values())
 
 
-def test_a_mixture_resumes_where_the_straight_run_goes_on(runs, sources, tiny_bert, tmp_path):
+def test_a_mixture_resumes_where_the_straight_run_goes_on(runs, tmp_path):
     """At step 5 of 10 on 1 process: 0.0 from the straight run; a 2-process checkpoint
-    resumed on 3 processes, within float64 summation order of it."""
-    straight = runs["stream+table"](1, "--num-workers", "0", "--save-every", "5")
-    common = ["--streaming", "--dataset", sources["shards"], "--dataset", sources["plain"],
-              "--mixture-weights", "2,1", "--shuffle-buffer", "4", "--text-model", tiny_bert,
-              *COMMON]  # fmt: skip
-    resumed = tmp_path / "resumed"
-    train_pooled(1, *common, "--num-workers", "0", "--output-dir", str(resumed),
-                 "--resume-from", str(straight / "checkpoint-5"))  # fmt: skip
-    same = final_files_difference(straight, resumed)
-    two = runs["stream+table"](2, "--num-workers", "0", "--save-every", "5")
-    elastic = tmp_path / "elastic"
-    train_pooled(3, *common, "--num-workers", "2", "--output-dir", str(elastic),
-                 "--resume-from", str(two / "checkpoint-5"))  # fmt: skip
-    error = final_files_difference(straight, elastic)
+    resumed on 3 processes (2 workers), within float64 summation order of it."""
+    same, error = resumed_differences(runs["stream+table"], 5, tmp_path, workers=(0, 2))
     print(f"mixture resumed at step 5 of 10: 1 -> 1 process {same:.1e}, 2 -> 3 processes "
           f"{error:.1e}")  # fmt: skip
     assert same == 0.0

@@ -29,6 +29,7 @@ from launch import (
     make_digit_tar_shards,
     make_text_pair_shards,
     one_line_errors,
+    resumed_differences,
     train_pooled,
 )
 
@@ -217,20 +218,10 @@ def test_control_per_rank_shards_train_another_model(runs):
     assert error > 1e3 * EXACT
 
 
-def test_a_resume_mid_stream_ends_where_the_straight_run_does(runs, shards, tiny_bert, tmp_path):
-    """Resumed at step 4 of 8 on 1 process: 0.0 from the straight run; a 2-process run's
-    checkpoint resumed on 3 processes: within float64 summation order of it."""
-    straight = runs["jsonl"](1, "--num-workers", "0", "--save-every", "4")
-    common = ["--streaming", "--dataset", shards["jsonl"], "--text-model", tiny_bert, *TEXT]
-    resumed = tmp_path / "resumed"
-    train_pooled(1, *common, "--num-workers", "2", "--output-dir", str(resumed),
-                 "--resume-from", str(straight / "checkpoint-4"))  # fmt: skip
-    same = final_files_difference(straight, resumed)
-    two = runs["jsonl"](2, "--num-workers", "0", "--save-every", "4")
-    elastic = tmp_path / "elastic"
-    train_pooled(3, *common, "--num-workers", "0", "--output-dir", str(elastic),
-                 "--resume-from", str(two / "checkpoint-4"))  # fmt: skip
-    error = final_files_difference(straight, elastic)
+def test_a_resume_mid_stream_ends_where_the_straight_run_does(runs, tmp_path):
+    """Resumed at step 4 of 8 on 1 process (2 workers): 0.0 from the straight run; a
+    2-process run's checkpoint resumed on 3 processes: within float64 summation order."""
+    same, error = resumed_differences(runs["jsonl"], 4, tmp_path, workers=(2, 0))
     print(f"streamed resume at step 4 of 8: 1 -> 1 process {same:.1e}, 2 -> 3 processes "
           f"{error:.1e} (from the 1-process straight run)")  # fmt: skip
     assert same == 0.0

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from contrastive_accelerate.compat import shutdown_workers
 from contrastive_accelerate.data.mixture import Mixture, MixtureBatches
 from contrastive_accelerate.data.sampler import GlobalBatchSampler
-from contrastive_accelerate.data.streams import ShardStreams, StreamBatches
+from contrastive_accelerate.data.streams import StreamBatches, stream_batches
 from contrastive_accelerate.preemption import ignore_stop_signals
 
 
@@ -44,17 +44,15 @@ def train_loader(
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
         num_workers = min(4, max(0, (cores or 1) // local_processes - 1))
-    if isinstance(dataset, Mixture):  # its own batches: see data.mixture
-        mixture = MixtureBatches(dataset, batch_size, seed, rank, world_size)
-        loader = DataLoader(mixture, batch_size=None, collate_fn=as_built,
+    # A mixture and a stream make their own batches (data.mixture, data.streams).
+    if isinstance(dataset, Mixture):
+        batches = MixtureBatches(dataset, batch_size, seed, rank, world_size)
+    else:
+        batches = stream_batches(dataset, batch_size, seed, rank, world_size, per_rank_streams)
+    if batches is not None:
+        loader = DataLoader(batches, batch_size=None, collate_fn=as_built,
                             **_workers(num_workers, accelerator))  # fmt: skip
-        return loader, mixture
-    if isinstance(getattr(dataset, "dataset", None), ShardStreams):  # see data.streams
-        stream = StreamBatches(dataset.dataset, dataset.item, dataset.collate, dataset.problem,
-                               batch_size, seed, rank, world_size, per_rank_streams)  # fmt: skip
-        loader = DataLoader(stream, batch_size=None, collate_fn=as_built,
-                            **_workers(num_workers, accelerator))  # fmt: skip
-        return loader, stream
+        return loader, batches
     if padded_batches:  # Accelerate shards whole global batches itself
         rank, world_size = 0, 1
     sampler = GlobalBatchSampler(

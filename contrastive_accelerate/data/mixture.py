@@ -34,9 +34,9 @@ from contrastive_accelerate.data.sampler import (
     GlobalBatchSampler,
     batches_per_epoch,
     derive_seed,
-    share_sizes,
 )
-from contrastive_accelerate.data.streams import ShardStreams, StreamBatches, worker_share
+from contrastive_accelerate.data.sources import DataError
+from contrastive_accelerate.data.streams import stream_batches, worker_share
 
 #: ``derive_seed``'s stream for the source of each step, and for each table's order.
 MIXTURE_STREAM = 4
@@ -77,8 +77,6 @@ def mixture_weights(
     if weights is not None:
         return list(weights)
     if any(size is None for size in sizes):
-        from contrastive_accelerate.data.sources import DataError
-
         raise DataError("a mixture with a streamed source needs --mixture-weights (no size)")
     return [size ** (1 / temperature) for size in sizes]
 
@@ -102,12 +100,9 @@ class MixtureBatches(torch.utils.data.IterableDataset):
         self.rank, self.world_size, self.first_step = rank, world_size, 0
         self.choice_seed = seed + rank if per_rank_choice else seed
         self._counted: tuple[int, list[int]] = (0, [])
-        self.streams = {
-            source: StreamBatches(dataset.dataset, dataset.item, dataset.collate,
-                                  dataset.problem, batch_size, seed, rank, world_size)
-            for source, dataset in enumerate(mixture.datasets)
-            if isinstance(getattr(dataset, "dataset", None), ShardStreams)
-        }  # fmt: skip
+        streams = (stream_batches(dataset, batch_size, seed, rank, world_size)
+                   for dataset in mixture.datasets)  # fmt: skip
+        self.streams = {source: batches for source, batches in enumerate(streams) if batches}
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """A mixture is one epoch: ``start_batch`` is the step to start from."""
@@ -130,9 +125,8 @@ class MixtureBatches(torch.utils.data.IterableDataset):
         source = self.mixture.source_of(step, self.choice_seed)
         if source in self.streams:
             return self.streams[source].shares
-        batch = self._counts(step)[source] % self._batches_per_epoch(source)
-        rows = len(self.mixture.datasets[source])
-        return share_sizes(min(self.batch_size, rows - batch * self.batch_size), self.world_size)
+        epoch, batch = divmod(self._counts(step)[source], self._batches_per_epoch(source))
+        return self._sampler(source, epoch).share_sizes(batch)
 
     def _batches_per_epoch(self, source: int) -> int:
         rows = len(self.mixture.datasets[source])

@@ -140,8 +140,8 @@ def load_streamed_pairs(
         raise DataError(f"{row['__source__']}: no column {missing[0]!r} (columns: {found})")
     images = [column for column in columns if _is_image(row[column])]
     for column in columns:
-        if column not in images and row_problem(row, [column]):
-            raise DataError(row_problem(row, [column]))
+        if column not in images and (problem := row_problem(row, [column])):
+            raise DataError(problem)
     if images and (len(images) > 1 or len(columns) != 2):
         raise DataError(
             f"--columns {','.join(columns)}: image-text pairs are one image column and one "

@@ -398,6 +398,19 @@ class StreamBatches(torch.utils.data.IterableDataset):
         return batch._replace(unreadable=[*batch.unreadable, *bad]) if bad else batch
 
 
+def stream_batches(
+    dataset, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+    per_rank: bool = False,
+) -> StreamBatches | None:  # fmt: skip
+    """A method's dataset whose rows are a stream (``dataset.dataset``, a ``ShardStreams``)
+    as its ``StreamBatches``; None for a table."""
+    source = getattr(dataset, "dataset", None)
+    if not isinstance(source, ShardStreams):
+        return None
+    return StreamBatches(source, dataset.item, dataset.collate, dataset.problem, batch_size,
+                         seed, rank, world_size, per_rank)  # fmt: skip
+
+
 def worker_share() -> tuple[int, int]:
     """(this loader worker's number, the number of workers): (0, 1) without workers."""
     info = torch.utils.data.get_worker_info()
