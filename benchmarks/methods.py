@@ -7,12 +7,16 @@ methods interleaved round by round in one process (median over rounds; each step
 ``after_step``). The EMA update is timed alone on the same model. The loader rate is
 DINO's multi-crop dataset (2 global crops of 8 px, 6 local of 4 px) through a
 ``DataLoader`` with 0 and 2 workers. kNN runs the README's first command with
-``--method NAME --seed S`` for each method and seed, at the default run's budget, one
-after another; beside DINO and BYOL, lightly's own implementation of the method through
-the same data, backbone, optimizer, budget and evaluation (``benchmarks.lightly_methods``),
-each run in a fresh process. Accuracies are the mean, min and max over the seeds.
+``--method NAME --seed S`` for each method and seed, at the default run's budget,
+``--jobs`` at a time on an equal share of the cores each; beside DINO and BYOL, lightly's
+own implementation of the method through the same data, backbone, optimizer, budget and
+evaluation (``benchmarks.lightly_methods``), each run in a fresh process. Accuracies are
+the mean, min and max over the seeds; the gain is each run's kNN less that of the same
+seed's random-init encoder (the run's step 0), its smallest over the seeds. Finished runs
+are kept in ``--saved-runs``: run again after an interruption, it trains only the rest.
 
     python -m benchmarks.methods              # 3 seeds: hours on 2 cores (the kNN runs)
+    python -m benchmarks.methods --jobs 2     # two runs side by side, one thread each
     python -m benchmarks.methods --seeds 1    # one seed
     python -m benchmarks.methods --quick      # small sizes, 20 training steps per method
 """
@@ -20,6 +24,8 @@ each run in a fresh process. Accuracies are the mean, min and max over the seeds
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -27,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 
@@ -113,9 +120,10 @@ def multicrop_rate(batch_size: int, batches: int) -> list[dict]:
     return rows
 
 
-def knn_run(name: str, extra: list[str], seed: int = 0) -> dict:
-    """The README's first command with ``--method name --seed seed``: its figures, the
-    random-init encoder's kNN (step 0) included."""
+def knn_run(name: str, extra: list[str], seed: int = 0, threads: int | None = None) -> dict:
+    """The README's first command with ``--method name --seed seed`` (under
+    ``OMP_NUM_THREADS=threads`` when given): its figures, the random-init encoder's kNN
+    (step 0) included."""
     with tempfile.TemporaryDirectory() as output:
         command = [
             sys.executable, "-m", "accelerate.commands.launch",
@@ -124,6 +132,7 @@ def knn_run(name: str, extra: list[str], seed: int = 0) -> dict:
             "--output-dir", output, *extra,
         ]  # fmt: skip
         env = {"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        env |= {"OMP_NUM_THREADS": str(threads)} if threads else {}
         started = time.perf_counter()
         result = subprocess.run(
             command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}
@@ -142,24 +151,72 @@ def knn_run(name: str, extra: list[str], seed: int = 0) -> dict:
     return row
 
 
-def run(quick: bool, seeds: int = 3) -> dict:
-    extra = ["--max-steps", "20"] if quick else []
-    results = {
+def recipe(name: str, quick: bool) -> str:
+    """A digest of what a kNN run of ``name`` trains with (its resolved options, the
+    quick flag): a saved run counts for the table only while its recipe is today's."""
+    config = dataclasses.asdict(TrainConfig(method=name).resolved())
+    text = json.dumps([config, quick], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def knn_jobs(seeds: int) -> list[tuple[str, str, int]]:
+    """Every (implementation, method, seed) of the table: ours for each method, lightly's
+    beside DINO and BYOL."""
+    return [
+        (implementation, name, seed)
+        for name in IMAGE_METHODS
+        for seed in range(seeds)
+        for implementation in ("ours", "lightly")
+        if implementation == "ours" or name in LIGHTLY_METHODS
+    ]
+
+
+def knn_row(job: tuple[str, str, int], quick: bool, threads: int) -> dict:
+    """One kNN run, in a fresh process on ``threads`` threads, tagged with its recipe."""
+    implementation, name, seed = job
+    if implementation == "ours":
+        row = knn_run(name, ["--max-steps", "20"] if quick else [], seed, threads)
+    else:
+        row = in_fresh_process("benchmarks.lightly_methods", "lightly_run", name, seed, quick,
+                               env={"OMP_NUM_THREADS": str(threads)})  # fmt: skip
+    return {**row, "implementation": implementation, "method": name, "seed": seed,
+            "threads": threads, "recipe": recipe(name, quick)}  # fmt: skip
+
+
+def knn_rows(seeds: int, quick: bool, jobs: int, saved: Path | None) -> list[dict]:
+    """Every run of ``knn_jobs``, ``jobs`` at a time on an equal share of the cores each.
+    ``saved``: a JSON-lines file that each finished run is appended to and whose runs of
+    today's recipe are not run again, so that hours of runs survive an interruption."""
+    rows = []
+    if saved is not None and saved.exists():
+        rows = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
+        rows = [row for row in rows if "error" not in row
+                and row.get("recipe") == recipe(row["method"], quick)]  # fmt: skip
+    done = {(row["implementation"], row["method"], row["seed"]) for row in rows}
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ThreadPoolExecutor(jobs) as pool:
+        running = [pool.submit(knn_row, job, quick, threads)
+                   for job in knn_jobs(seeds) if job not in done]  # fmt: skip
+        for finished in as_completed(running):
+            rows.append(finished.result())
+            print(f"methods: {rows[-1]}", flush=True)
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                with saved.open("a") as file:
+                    file.write(json.dumps(rows[-1]) + "\n")
+    order = {job: position for position, job in enumerate(knn_jobs(seeds))}
+    wanted = [row for row in rows if (row["implementation"], row["method"], row["seed"]) in order]
+    return sorted(wanted, key=lambda row: order[row["implementation"], row["method"], row["seed"]])
+
+
+def run(quick: bool, seeds: int = 3, jobs: int = 1, saved: Path | None = None) -> dict:
+    return {
         "steps": step_times(batch_size=16 if quick else 128, rounds=2 if quick else 7),
         "multicrop": multicrop_rate(batch_size=16 if quick else 128, batches=2 if quick else 6),
-        "knn_extra_args": extra,
-        "knn": [],
+        "knn_extra_args": ["--max-steps", "20"] if quick else [],
+        "knn_jobs": jobs,
+        "knn": knn_rows(seeds, quick, jobs, saved),
     }
-    for name in IMAGE_METHODS:
-        for seed in range(seeds):
-            results["knn"].append(knn_run(name, extra, seed))
-            print(f"methods: {results['knn'][-1]}", flush=True)
-            if name in LIGHTLY_METHODS:
-                row = in_fresh_process("benchmarks.lightly_methods", "lightly_run", name, seed,
-                                       quick)  # fmt: skip
-                results["knn"].append({"method": name, "seed": seed, **row})
-                print(f"methods: {results['knn'][-1]}", flush=True)
-    return results
 
 
 def _spread(rows: list[dict], key: str) -> str:
@@ -172,17 +229,33 @@ def _spread(rows: list[dict], key: str) -> str:
     return f"{statistics.mean(values):.1%} [{min(values):.1%}, {max(values):.1%}]"
 
 
+def _least_gain(rows: list[dict], init: dict[tuple[str, int], float]) -> str:
+    """The smallest kNN gain over the same seed's random-init encoder, in points."""
+    gains = [row["knn_top1"] - init[row["method"], row["seed"]] for row in rows
+             if "knn_top1" in row and (row["method"], row["seed"]) in init]  # fmt: skip
+    return f"{100 * min(gains):+.1f}" if gains else "n/a"
+
+
+def _threads(rows: list[dict]) -> str:
+    counts = sorted({row["threads"] for row in rows if "threads" in row})
+    return " or ".join(map(str, counts)) + " thread(s)" if counts else "the default threads"
+
+
 def table_lines(results: dict) -> list[str]:
     simclr = next(row["step_s"] for row in results["steps"] if row["method"] == "simclr")
     seeds = sorted({row["seed"] for row in results["knn"]})
     lines = [
         "| `--method` | step (ms) | vs simclr | EMA update (ms, share of the step) "
         f"| kNN top-1 ({len(seeds)} seed{'s' * (len(seeds) != 1)}: mean [min, max]) "
-        "| linear probe "
-        "| lightly's kNN top-1 | lightly's linear probe | run (s, median) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kNN gain over the random init (min) | linear probe "
+        "| lightly's kNN top-1 | lightly's kNN gain (min) | lightly's linear probe "
+        "| run (s, median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ours = [row for row in results["knn"] if row.get("implementation") == "ours"]
+    # lightly's runs start from our run's initial encoder of the same method and seed.
+    init = {(row["method"], row["seed"]): row["knn_top1_init"]
+            for row in ours if "knn_top1_init" in row}  # fmt: skip
     for row in results["steps"]:
         ema = (
             f"{row['ema_s'] * 1e3:.1f} ({row['ema_s'] / row['step_s']:.1%})"
@@ -196,8 +269,9 @@ def table_lines(results: dict) -> list[str]:
         seconds = [evaluation["seconds"] for evaluation in method if "seconds" in evaluation]
         lines.append(
             f"| `{row['method']}` | {row['step_s'] * 1e3:.0f} | {row['step_s'] / simclr:.2f}x "
-            f"| {ema} | {_spread(method, 'knn_top1')} | {_spread(method, 'linear_probe_top1')} "
-            f"| {_spread(lightly, 'knn_top1')} | {_spread(lightly, 'linear_probe_top1')} "
+            f"| {ema} | {_spread(method, 'knn_top1')} | {_least_gain(method, init)} "
+            f"| {_spread(method, 'linear_probe_top1')} | {_spread(lightly, 'knn_top1')} "
+            f"| {_least_gain(lightly, init)} | {_spread(lightly, 'linear_probe_top1')} "
             f"| {statistics.median(seconds) if seconds else float('nan'):.0f} |"
         )
     dino = next(row["step_s"] for row in results["steps"] if row["method"] == "dino")
@@ -215,7 +289,8 @@ def table_lines(results: dict) -> list[str]:
         f"consumes {batch / dino:.0f} samples/s. kNN on raw pixels of the same held-out "
         f"digits: {'n/a' if raw is None else f'{raw:.1%}'}; of the random-init encoder (the "
         f"runs' step 0, every method and seed): {_spread(ours, 'knn_top1_init')}. Seeds: "
-        f"{', '.join(map(str, seeds))}. Extra arguments of the kNN runs: "
+        f"{', '.join(map(str, seeds))}; each run on {_threads(results['knn'])}, "
+        f"{results.get('knn_jobs', 1)} at a time. Extra arguments of the kNN runs: "
         f"{' '.join(results['knn_extra_args']) or '(none: the default budget)'}.",
         *(f"Failed: {error}" for error in errors),
     ]
@@ -226,9 +301,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 20 training steps")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds 0..N-1 per method")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="kNN runs side by side, the cores shared equally"
+    )
+    parser.add_argument(
+        "--saved-runs",
+        default="benchmarks/results/methods_runs.jsonl",
+        help="finished kNN runs, appended as they end; those of today's recipes are reused",
+    )
     parser.add_argument("--output", default="benchmarks/results.json")
     args = parser.parse_args()
-    results = run(args.quick, args.seeds)
+    results = run(args.quick, args.seeds, args.jobs, None if args.quick else Path(args.saved_runs))
     standalone.merge(args.output, "methods", results)
     lines = table_lines(results)
     print("\n".join(lines))
