@@ -60,12 +60,16 @@ def _dino(backbone: nn.Module, config, ours) -> tuple[nn.Module, callable]:
              config.dino_out_dim)  # fmt: skip
     student = nn.ModuleDict({
         "backbone": backbone,
-        "head": DINOProjectionHead(*sizes, freeze_last_layer=config.freeze_last_layer),
+        "head": DINOProjectionHead(*sizes, batch_norm=head.batch_norm,
+                                   freeze_last_layer=config.freeze_last_layer),
     })  # fmt: skip
     # As lightly's example builds it: the teacher's head is a head of its own (its weight
     # norm cannot be deep-copied), the backbone a copy of the student's.
     teacher = nn.ModuleDict(
-        {"backbone": copy.deepcopy(backbone), "head": DINOProjectionHead(*sizes)}
+        {
+            "backbone": copy.deepcopy(backbone),
+            "head": DINOProjectionHead(*sizes, batch_norm=head.batch_norm),
+        }
     )
     deactivate_requires_grad(teacher)
     criterion = DINOLoss(output_dim=config.dino_out_dim, warmup_teacher_temp=0.04,

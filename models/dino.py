@@ -12,11 +12,11 @@ class DINOHead(nn.Module):
     """``x -> W normalize(mlp(x))`` with ``W``'s rows of norm 1.
 
     The MLP is Linear-GELU-Linear-GELU-Linear (``layers`` linear layers) into
-    ``bottleneck_dim``, initialised as DINO does (truncated normal, std 0.02, zero
-    biases); the last layer is ``weight_norm`` of a bias-free ``nn.Linear`` with its
-    magnitude fixed at 1, written out as ``v / ||v||`` per output row, so the state
-    holds one plain tensor ``last_layer`` that an EMA and safetensors treat like any
-    other.
+    ``bottleneck_dim``, with ``batch_norm`` Linear-BN-GELU (DINO's ``use_bn_in_head``),
+    initialised as DINO does (truncated normal, std 0.02, zero biases); the last layer
+    is ``weight_norm`` of a bias-free ``nn.Linear`` with its magnitude fixed at 1,
+    written out as ``v / ||v||`` per output row, so the state holds one plain tensor
+    ``last_layer`` that an EMA and safetensors treat like any other.
 
     Example::
 
@@ -31,12 +31,16 @@ class DINOHead(nn.Module):
         hidden_dim: int = 512,
         bottleneck_dim: int = 128,
         layers: int = 3,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
+        self.batch_norm = batch_norm
         dims = [in_dim] + [hidden_dim] * (layers - 1)
         modules: list[nn.Module] = []
         for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):
-            modules += [nn.Linear(fan_in, fan_out), nn.GELU()]
+            modules.append(nn.Linear(fan_in, fan_out))
+            modules += [nn.BatchNorm1d(fan_out)] if batch_norm else []
+            modules.append(nn.GELU())
         modules.append(nn.Linear(dims[-1], bottleneck_dim))
         self.mlp = nn.Sequential(*modules)
         for module in self.mlp:

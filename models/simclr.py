@@ -48,7 +48,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     ``drop_path`` adds stochastic depth to the ViT's blocks, DINO's linear rates from 0
     to ``drop_path`` at the last block (keyed by sample after ``convert_sample_dropout``).
     ``dino_out_dim`` replaces the projection head with DINO's (``models.dino.DINOHead``,
-    ``projection_hidden_dim`` wide, into ``projection_dim``, then ``dino_out_dim`` logits).
+    ``projection_hidden_dim`` wide, into ``projection_dim``, then ``dino_out_dim`` logits;
+    BatchNorm in its MLP for the ResNets, as in every head of theirs).
 
     Example::
 
@@ -143,11 +144,17 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         self.projection_head = _head(
             feature_dim, projection_hidden_dim, projection_dim, projection_layers, batch_norm=True
         )
-        self._dino_head(feature_dim, dino_out_dim, projection_hidden_dim, projection_dim)
+        self._dino_head(
+            feature_dim, dino_out_dim, projection_hidden_dim, projection_dim, batch_norm=True
+        )
 
-    def _dino_head(self, in_dim: int, out_dim: int | None, hidden: int, bottleneck: int) -> None:
+    def _dino_head(
+        self, in_dim: int, out_dim: int | None, hidden: int, bottleneck: int, batch_norm=False
+    ) -> None:
         if out_dim is not None:  # DINO's head replaces the projection head
-            self.projection_head = DINOHead(in_dim, out_dim, hidden, bottleneck)
+            self.projection_head = DINOHead(
+                in_dim, out_dim, hidden, bottleneck, batch_norm=batch_norm
+            )
 
     def save_exports(
         self,
