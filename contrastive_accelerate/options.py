@@ -139,19 +139,22 @@ class TrainConfig:
         None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
     )
     teacher_momentum: float | None = option(
-        None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: 0.99, else 0.996",
+        None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: the method's",
         resume="apply", at_least=0.0, at_most=1.0,
     )  # fmt: skip
     queue_size: int = option(
         0, "moco, simclr with ntxent: a queue of past keys as negatives; 0: none", at_least=0
     )
-    dino_out_dim: int = option(1024, "dino: outputs of DINO's head", at_least=1)
+    dino_out_dim: int | None = option(
+        None, "dino: outputs of DINO's head; none: 1024 (digits: 256)", at_least=1
+    )
     center_momentum: float = option(
         0.9, "dino: EMA momentum of the teacher's center", resume="apply", at_least=0.0, at_most=1.0
     )
-    teacher_temperature: float = option(
-        0.04, "dino: teacher temperature after the warm-up", resume="apply", above=0.0
-    )
+    teacher_temperature: float | None = option(
+        None, "dino: teacher temperature after the warm-up; none: 0.04 (digits: 0.01)",
+        resume="apply", above=0.0,
+    )  # fmt: skip
     teacher_temperature_warmup_steps: int = option(
         0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
     )
@@ -230,7 +233,10 @@ class TrainConfig:
         "shard weights, gradients and optimizer state over the processes (FSDP2)",
         resume="apply",
     )
-    epochs: int = option(45, "epochs to train (unless --max-steps)", resume="apply", at_least=1)
+    epochs: int | None = option(
+        None, "epochs (unless --max-steps); none: the method's on the digits, else 45",
+        resume="apply", at_least=1,
+    )  # fmt: skip
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
     drop_last: bool = option(False, "drop each epoch's short last batch")
     optimizer: str | None = option(
@@ -238,7 +244,7 @@ class TrainConfig:
     )
     lr: float | None = option(
         None,
-        "peak lr; none: sgd 0.03, lars 0.2, adamw 1e-3 (5e-5: pretrained text)",
+        "peak lr; none: byol's on the digits, sgd 0.03, lars 0.2, adamw 1e-3 (5e-5: text)",
         resume="apply",
         above=0.0,
     )
@@ -396,11 +402,17 @@ class TrainConfig:
                if name not in METHOD_OPTIONS or name in read}
         )  # fmt: skip
 
+    @property
+    def digits(self) -> bool:
+        """Training on the offline 8x8 digits (no ``--dataset``), where the methods'
+        defaults rows hold recipes measured on them."""
+        return self.dataset is None
+
     def resolved(self) -> TrainConfig:
         """Every option left at None given its derived default: from the dataset (the
         digits are 8x8) and the model, then the method's own (``METHODS[...].defaults``),
         then the shared fallbacks, and the learning rate from the optimizer."""
-        digits = self.dataset is None
+        digits = self.digits
         config = _fill(
             self,
             method=self.chosen_method,
@@ -410,7 +422,7 @@ class TrainConfig:
             horizontal_flip=not digits,
         )
         config = _fill(config, **METHODS[config.method].defaults(config))
-        config = _fill(config, optimizer="sgd")
+        config = _fill(config, optimizer="sgd", epochs=45)
         return _fill(config, lr={"lars": 0.2, "sgd": 0.03}.get(config.optimizer, 1e-3))
 
 

@@ -113,23 +113,43 @@ def test_derived_defaults_are_resolved_in_one_place():
     for loss in ("ntxent", "infonce", "siglip", "vicreg"):
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
-        expected = {"teacher_momentum", "local_crops", "local_crop_size"}  # no teacher, no crops
+        # No teacher, no DINO head, no crops.
+        expected = {"teacher_momentum", "teacher_temperature", "dino_out_dim"}
+        expected |= {"local_crops", "local_crop_size"}
         # What the loss does not read stays unset: a value there would be refused.
         expected |= {"temperature"} if loss in ("infonce", "siglip", "vicreg") else set()
         expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
         assert left == expected, (loss, left)
-    for method, temperature, momentum in (("moco", 0.2, 0.99), ("byol", None, 0.996)):
-        resolved = TrainConfig(method=method).resolved()
-        assert (resolved.temperature, resolved.teacher_momentum) == (temperature, momentum)
-    dino = TrainConfig(method="dino").resolved()
-    assert (dino.temperature, dino.teacher_momentum, dino.local_crops) == (0.1, 0.996, 6)
-    assert dino.local_crop_size == 4  # half of the digits' 8 px
-    assert TrainConfig(method="dino", model="mlp").resolved().local_crops == 0
-    assert TrainConfig(method="dino", model="vit_tiny").resolved().local_crops == 6
+    moco = TrainConfig(method="moco").resolved()
+    assert (moco.temperature, moco.teacher_momentum, moco.lr, moco.epochs) == (0.2, 0.99, 0.03, 45)
     assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
     assert TrainConfig().resolved().horizontal_flip is False  # a mirrored digit is no digit
     assert TrainConfig(dataset="cifar10").resolved().horizontal_flip is True
     assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
+
+
+def test_byol_and_dino_take_their_digits_recipes_when_their_flags_are_left_unset():
+    """The methods' defaults rows: on the digits each method's measured recipe, elsewhere
+    the papers' values; a flag given wins over either."""
+    recipe = ("temperature", "teacher_momentum", "lr", "epochs")
+    byol = TrainConfig(method="byol").resolved()
+    assert tuple(getattr(byol, name) for name in recipe) == (None, 0.95, 0.1, 75)
+    byol = TrainConfig(method="byol", dataset="cifar10").resolved()
+    assert tuple(getattr(byol, name) for name in recipe) == (None, 0.996, 0.03, 45)
+    assert TrainConfig(method="byol", optimizer="lars").resolved().lr == 0.2  # LARS's own
+    assert TrainConfig(method="byol", lr=0.05, epochs=3).resolved().lr == 0.05
+
+    recipe += ("teacher_temperature", "dino_out_dim", "local_crops", "local_crop_size")
+    dino = TrainConfig(method="dino").resolved()
+    assert tuple(getattr(dino, name) for name in recipe) == (0.1, 0.99, 0.03, 90, 0.01, 256, 0, 4)
+    dino = TrainConfig(method="dino", dataset="cifar10").resolved()
+    assert tuple(getattr(dino, name) for name in recipe) == (
+        0.1, 0.996, 0.03, 45, 0.04, 1024, 6, 16,  # half of 32 px
+    )  # fmt: skip
+    for model, crops in (("mlp", 0), ("vit_tiny", 6)):  # the mlp takes one input size
+        assert TrainConfig(method="dino", dataset="c", model=model).resolved().local_crops == crops
+    given = TrainConfig(method="dino", local_crops=2, teacher_temperature=0.04).resolved()
+    assert (given.local_crops, given.teacher_temperature) == (2, 0.04)
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=[field.name for field in FIELDS])
