@@ -171,7 +171,11 @@ def knn_jobs(seeds: int) -> list[tuple[str, str, int]]:
     ]
 
 
-def knn_row(job: tuple[str, str, int], quick: bool, threads: int) -> dict:
+def _job(row: dict) -> tuple[str, str, int]:
+    return row["implementation"], row["method"], row["seed"]
+
+
+def knn_row(job: tuple[str, str, int], quick: bool, threads: int, recipe_digest: str) -> dict:
     """One kNN run, in a fresh process on ``threads`` threads, tagged with its recipe."""
     implementation, name, seed = job
     if implementation == "ours":
@@ -180,22 +184,23 @@ def knn_row(job: tuple[str, str, int], quick: bool, threads: int) -> dict:
         row = in_fresh_process("benchmarks.lightly_methods", "lightly_run", name, seed, quick,
                                env={"OMP_NUM_THREADS": str(threads)})  # fmt: skip
     return {**row, "implementation": implementation, "method": name, "seed": seed,
-            "threads": threads, "recipe": recipe(name, quick)}  # fmt: skip
+            "threads": threads, "recipe": recipe_digest}  # fmt: skip
 
 
 def knn_rows(seeds: int, quick: bool, jobs: int, saved: Path | None) -> list[dict]:
     """Every run of ``knn_jobs``, ``jobs`` at a time on an equal share of the cores each.
     ``saved``: a JSON-lines file that each finished run is appended to and whose runs of
     today's recipe are not run again, so that hours of runs survive an interruption."""
+    recipes = {name: recipe(name, quick) for name in IMAGE_METHODS}
     rows = []
     if saved is not None and saved.exists():
         rows = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
         rows = [row for row in rows if "error" not in row
-                and row.get("recipe") == recipe(row["method"], quick)]  # fmt: skip
-    done = {(row["implementation"], row["method"], row["seed"]) for row in rows}
+                and row.get("recipe") == recipes.get(row["method"])]  # fmt: skip
+    done = {_job(row) for row in rows}
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ThreadPoolExecutor(jobs) as pool:
-        running = [pool.submit(knn_row, job, quick, threads)
+        running = [pool.submit(knn_row, job, quick, threads, recipes[job[1]])
                    for job in knn_jobs(seeds) if job not in done]  # fmt: skip
         for finished in as_completed(running):
             rows.append(finished.result())
@@ -205,8 +210,7 @@ def knn_rows(seeds: int, quick: bool, jobs: int, saved: Path | None) -> list[dic
                 with saved.open("a") as file:
                     file.write(json.dumps(rows[-1]) + "\n")
     order = {job: position for position, job in enumerate(knn_jobs(seeds))}
-    wanted = [row for row in rows if (row["implementation"], row["method"], row["seed"]) in order]
-    return sorted(wanted, key=lambda row: order[row["implementation"], row["method"], row["seed"]])
+    return sorted((row for row in rows if _job(row) in order), key=lambda row: order[_job(row)])
 
 
 def run(quick: bool, seeds: int = 3, jobs: int = 1, saved: Path | None = None) -> dict:
