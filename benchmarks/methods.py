@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import statistics
@@ -33,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 
@@ -154,9 +152,7 @@ def knn_run(name: str, extra: list[str], seed: int = 0, threads: int | None = No
 def recipe(name: str, quick: bool) -> str:
     """A digest of what a kNN run of ``name`` trains with (its resolved options, the
     quick flag): a saved run counts for the table only while its recipe is today's."""
-    config = dataclasses.asdict(TrainConfig(method=name).resolved())
-    text = json.dumps([config, quick], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    return standalone.digest(dataclasses.asdict(TrainConfig(method=name).resolved()), quick)
 
 
 def knn_jobs(seeds: int) -> list[tuple[str, str, int]]:
@@ -171,12 +167,8 @@ def knn_jobs(seeds: int) -> list[tuple[str, str, int]]:
     ]
 
 
-def _job(row: dict) -> tuple[str, str, int]:
-    return row["implementation"], row["method"], row["seed"]
-
-
-def knn_row(job: tuple[str, str, int], quick: bool, threads: int, recipe_digest: str) -> dict:
-    """One kNN run, in a fresh process on ``threads`` threads, tagged with its recipe."""
+def knn_row(job: tuple[str, str, int], quick: bool, threads: int) -> dict:
+    """One kNN run, in a fresh process on ``threads`` threads."""
     implementation, name, seed = job
     if implementation == "ours":
         row = knn_run(name, ["--max-steps", "20"] if quick else [], seed, threads)
@@ -184,33 +176,22 @@ def knn_row(job: tuple[str, str, int], quick: bool, threads: int, recipe_digest:
         row = in_fresh_process("benchmarks.lightly_methods", "lightly_run", name, seed, quick,
                                env={"OMP_NUM_THREADS": str(threads)})  # fmt: skip
     return {**row, "implementation": implementation, "method": name, "seed": seed,
-            "threads": threads, "recipe": recipe_digest}  # fmt: skip
+            "threads": threads}  # fmt: skip
 
 
 def knn_rows(seeds: int, quick: bool, jobs: int, saved: Path | None) -> list[dict]:
-    """Every run of ``knn_jobs``, ``jobs`` at a time on an equal share of the cores each.
-    ``saved``: a JSON-lines file that each finished run is appended to and whose runs of
-    today's recipe are not run again, so that hours of runs survive an interruption."""
+    """Every run of ``knn_jobs``, ``jobs`` at a time on an equal share of the cores each;
+    those in ``saved`` of today's recipes are reused (``standalone.resumable_runs``)."""
     recipes = {name: recipe(name, quick) for name in IMAGE_METHODS}
-    rows = []
-    if saved is not None and saved.exists():
-        rows = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
-        rows = [row for row in rows if "error" not in row
-                and row.get("recipe") == recipes.get(row["method"])]  # fmt: skip
-    done = {_job(row) for row in rows}
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ThreadPoolExecutor(jobs) as pool:
-        running = [pool.submit(knn_row, job, quick, threads, recipes[job[1]])
-                   for job in knn_jobs(seeds) if job not in done]  # fmt: skip
-        for finished in as_completed(running):
-            rows.append(finished.result())
-            print(f"methods: {rows[-1]}", flush=True)
-            if saved is not None:
-                saved.parent.mkdir(parents=True, exist_ok=True)
-                with saved.open("a") as file:
-                    file.write(json.dumps(rows[-1]) + "\n")
-    order = {job: position for position, job in enumerate(knn_jobs(seeds))}
-    return sorted((row for row in rows if _job(row) in order), key=lambda row: order[_job(row)])
+    return standalone.resumable_runs(
+        knn_jobs(seeds),
+        partial(knn_row, quick=quick, threads=threads),
+        job_of=lambda row: (row["implementation"], row["method"], row["seed"]),
+        recipe_of=lambda job: recipes[job[1]],
+        saved=saved,
+        parallel=jobs,
+    )
 
 
 def run(quick: bool, seeds: int = 3, jobs: int = 1, saved: Path | None = None) -> dict:

@@ -5,14 +5,17 @@ each ``OMP_NUM_THREADS`` (1 and 2 change the float32 reduction order the way ano
 CPU does), in a fresh process each, and reports the kNN top-1 accuracy of the trained
 encoder (and of the linear probe, when the run prints one) with its mean, minimum and
 maximum, next to kNN on raw pixels and on the random-init encoder over the same
-held-out images. ``--quick``: 2 seeds, 1 kernel path, 40 steps (a smoke test).
+held-out images. ``--quick``: 2 seeds, 1 kernel path, 40 steps (a smoke test). Finished
+runs are kept in ``--saved-runs``: run again after an interruption, it trains only the rest.
 
-    python -m benchmarks.quality            # 5 seeds x 2 kernel paths, ~40 min on 2 cores
+    python -m benchmarks.quality            # 5 seeds x 2 kernel paths: about an hour on 2 cores
+    python -m benchmarks.quality --jobs 2   # two runs side by side (the kernel path unchanged)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +27,8 @@ import time
 from pathlib import Path
 
 from benchmarks import standalone
+from contrastive_accelerate.config import parse_args
+from trainer import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2, 3, 4)
@@ -66,17 +71,30 @@ def _summary(result: subprocess.CompletedProcess) -> str:
     return " | ".join(lines)
 
 
-def run(quick: bool, extra: list[str] | None = None) -> dict:
+def recipe(extra: list[str]) -> str:
+    """A digest of what the runs train with (the default run's resolved options and the
+    extra arguments): a saved run counts only while its recipe is today's."""
+    config = dataclasses.asdict(parse_args(TrainConfig, extra).resolved())
+    return standalone.digest(config, extra)
+
+
+def run(
+    quick: bool, extra: list[str] | None = None, jobs: int = 1, saved: Path | None = None
+) -> dict:
     extra = list(extra or [])
     seeds, threads = (SEEDS[:2], THREADS[:1]) if quick else (SEEDS, THREADS)
     if quick:
         extra += ["--max-steps", "40"]
-    rows = []
-    for seed in seeds:
-        for count in threads:
-            rows.append(one_run(seed, count, extra))
-            print(f"quality: seed {seed}, {count} thread(s): {rows[-1].get('summary')}", flush=True)
-    return {"extra_args": extra, "rows": rows}
+    digest = recipe(extra)
+    rows = standalone.resumable_runs(
+        [(seed, count) for seed in seeds for count in threads],
+        lambda job: one_run(*job, extra),
+        job_of=lambda row: (row["seed"], row["threads"]),
+        recipe_of=lambda job: digest,
+        saved=saved,
+        parallel=jobs,
+    )
+    return {"extra_args": extra, "jobs": jobs, "rows": rows}
 
 
 def _spread(values: list[float]) -> str:
@@ -117,17 +135,24 @@ def table_lines(results: dict) -> list[str]:
     if rows:
         seconds = [row["seconds"] for row in rows]
         lines += ["", f"Wall time per run: median {statistics.median(seconds):.0f} s, "
-                  f"max {max(seconds):.0f} s (the runs one after another)."]  # fmt: skip
+                  f"max {max(seconds):.0f} s ({results.get('jobs', 1)} at a time)."]  # fmt: skip
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, 1 kernel path, 40 steps")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side")
+    parser.add_argument(
+        "--saved-runs",
+        default="benchmarks/results/quality_runs.jsonl",
+        help="finished runs, appended as they end; those of today's recipe are reused",
+    )
     parser.add_argument("--output", default="benchmarks/results.json")
     parser.add_argument("trainer_args", nargs="*", help="after --: extra trainer.py arguments")
     args = parser.parse_args()
-    results = run(args.quick, args.trainer_args)
+    saved = None if args.quick else Path(args.saved_runs)
+    results = run(args.quick, args.trainer_args, args.jobs, saved)
     standalone.merge(args.output, "quality", results)
     lines = table_lines(results)
     print("\n".join(lines))

@@ -4,8 +4,10 @@ file that ``python -m benchmarks.run`` writes whole."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -50,3 +52,40 @@ def write_docs(name: str, lines: list[str], page: str) -> None:
     text = path.read_text()
     start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
     path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
+
+
+def digest(*values: object) -> str:
+    """A short digest of JSON-able ``values``: what a saved run was run with."""
+    text = json.dumps(values, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def resumable_runs(
+    jobs: Sequence[Hashable],
+    run_one: Callable[[Hashable], dict],
+    job_of: Callable[[dict], Hashable],
+    recipe_of: Callable[[Hashable], str],
+    saved: Path | None,
+    parallel: int = 1,
+) -> list[dict]:
+    """Each job's row, in the order of ``jobs``: ``run_one(job)``, ``parallel`` at a time,
+    tagged ``recipe`` with ``recipe_of(job)``. ``saved``: a JSON-lines file that each
+    finished row is appended to and whose rows of today's recipe (and without an error) are
+    not run again, so that hours of runs survive an interruption."""
+    rows = []
+    if saved is not None and saved.exists():
+        rows = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
+        rows = [row for row in rows if "error" not in row and job_of(row) in jobs
+                and row.get("recipe") == recipe_of(job_of(row))]  # fmt: skip
+    done = {job_of(row) for row in rows}
+    with ThreadPoolExecutor(parallel) as pool:
+        running = {pool.submit(run_one, job): job for job in jobs if job not in done}
+        for finished in as_completed(running):
+            rows.append({**finished.result(), "recipe": recipe_of(running[finished])})
+            print(f"run: {rows[-1]}", flush=True)
+            if saved is not None:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                with saved.open("a") as file:
+                    file.write(json.dumps(rows[-1]) + "\n")
+    order = {job: position for position, job in enumerate(jobs)}
+    return sorted(rows, key=lambda row: order[job_of(row)])
