@@ -244,7 +244,7 @@ class TrainConfig:
     )
     lr: float | None = option(
         None,
-        "peak lr; none: byol's on the digits, sgd 0.03, lars 0.2, adamw 1e-3 (5e-5: text)",
+        "peak lr; none: sgd 0.03 (moco, byol digits 0.1), lars 0.2, adamw 1e-3, text 5e-5",
         resume="apply",
         above=0.0,
     )

@@ -120,24 +120,25 @@ def test_derived_defaults_are_resolved_in_one_place():
         expected |= {"temperature"} if loss in ("infonce", "siglip", "vicreg") else set()
         expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
         assert left == expected, (loss, left)
-    moco = TrainConfig(method="moco").resolved()
-    assert (moco.temperature, moco.teacher_momentum, moco.lr, moco.epochs) == (0.2, 0.99, 0.03, 45)
     assert TrainConfig(loss="vicreg").resolved().optimizer == "lars"
     assert TrainConfig().resolved().horizontal_flip is False  # a mirrored digit is no digit
     assert TrainConfig(dataset="cifar10").resolved().horizontal_flip is True
     assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
 
 
-def test_byol_and_dino_take_their_digits_recipes_when_their_flags_are_left_unset():
+def test_moco_byol_and_dino_take_their_digits_recipes_when_their_flags_are_left_unset():
     """The methods' defaults rows: on the digits each method's measured recipe, elsewhere
     the papers' values; a flag given wins over either."""
     recipe = ("temperature", "teacher_momentum", "lr", "epochs")
-    byol = TrainConfig(method="byol").resolved()
-    assert tuple(getattr(byol, name) for name in recipe) == (None, 0.95, 0.1, 75)
-    byol = TrainConfig(method="byol", dataset="cifar10").resolved()
-    assert tuple(getattr(byol, name) for name in recipe) == (None, 0.996, 0.03, 45)
-    assert TrainConfig(method="byol", optimizer="lars").resolved().lr == 0.2  # LARS's own
-    assert TrainConfig(method="byol", lr=0.05, epochs=3).resolved().lr == 0.05
+    for method, temperature, paper_momentum in (("moco", 0.2, 0.99), ("byol", None, 0.996)):
+        digits = TrainConfig(method=method).resolved()
+        assert tuple(getattr(digits, name) for name in recipe) == (temperature, 0.95, 0.1, 75)
+        paper = TrainConfig(method=method, dataset="cifar10").resolved()
+        assert tuple(getattr(paper, name) for name in recipe) == (
+            temperature, paper_momentum, 0.03, 45,
+        )  # fmt: skip
+        assert TrainConfig(method=method, optimizer="lars").resolved().lr == 0.2  # LARS's own
+        assert TrainConfig(method=method, lr=0.05, epochs=3).resolved().lr == 0.05
 
     recipe += ("teacher_temperature", "dino_out_dim", "local_crops", "local_crop_size")
     dino = TrainConfig(method="dino").resolved()
