@@ -24,7 +24,6 @@ are kept in ``--saved-runs``: run again after an interruption, it trains only th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -152,7 +151,7 @@ def knn_run(name: str, extra: list[str], seed: int = 0, threads: int | None = No
 def recipe(name: str, quick: bool) -> str:
     """A digest of what a kNN run of ``name`` trains with (its resolved options, the
     quick flag): a saved run counts for the table only while its recipe is today's."""
-    return standalone.digest(dataclasses.asdict(TrainConfig(method=name).resolved()), quick)
+    return standalone.recipe_digest(TrainConfig(method=name), quick)
 
 
 def knn_jobs(seeds: int) -> list[tuple[str, str, int]]:

@@ -15,7 +15,6 @@ runs are kept in ``--saved-runs``: run again after an interruption, it trains on
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -74,8 +73,7 @@ def _summary(result: subprocess.CompletedProcess) -> str:
 def recipe(extra: list[str]) -> str:
     """A digest of what the runs train with (the default run's resolved options and the
     extra arguments): a saved run counts only while its recipe is today's."""
-    config = dataclasses.asdict(parse_args(TrainConfig, extra).resolved())
-    return standalone.digest(config, extra)
+    return standalone.recipe_digest(parse_args(TrainConfig, extra), extra)
 
 
 def run(

@@ -4,6 +4,7 @@ file that ``python -m benchmarks.run`` writes whole."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Hashable, Sequence
@@ -58,6 +59,13 @@ def digest(*values: object) -> str:
     """A short digest of JSON-able ``values``: what a saved run was run with."""
     text = json.dumps(values, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def recipe_digest(config: object, *extra: object) -> str:
+    """The digest of what a training run is run with: ``config.resolved()`` (a trainer
+    config, its defaults filled in) and ``extra``. A saved run counts only while its recipe
+    is today's; code changes are not in it, so delete the saved runs after a model change."""
+    return digest(dataclasses.asdict(config.resolved()), *extra)
 
 
 def resumable_runs(
