@@ -24,12 +24,8 @@ are kept in ``--saved-runs``: run again after an interruption, it trains only th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -44,7 +40,6 @@ from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
 #: The methods that train an image encoder from unlabelled images (``pairs`` needs pairs).
 IMAGE_METHODS = ("simclr", "moco", "byol", "dino")
 #: An epoch past any frozen ones (DINO's last layer): the steps timed are the steady state's.
@@ -121,30 +116,17 @@ def knn_run(name: str, extra: list[str], seed: int = 0, threads: int | None = No
     """The README's first command with ``--method name --seed seed`` (under
     ``OMP_NUM_THREADS=threads`` when given): its figures, the random-init encoder's kNN
     (step 0) included."""
-    with tempfile.TemporaryDirectory() as output:
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "accelerate_configs" / "single_process.yaml"),
-            str(REPO / "trainer.py"), "--method", name, "--seed", str(seed),
-            "--output-dir", output, *extra,
-        ]  # fmt: skip
-        env = {"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        env |= {"OMP_NUM_THREADS": str(threads)} if threads else {}
-        started = time.perf_counter()
-        result = subprocess.run(
-            command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}
-        )
-        seconds = time.perf_counter() - started
-        if result.returncode != 0:
-            return {"method": name, "seed": seed, "error": result.stderr[-500:]}
-        row = {"implementation": "ours", "method": name, "seed": seed, "seconds": seconds}
-        for line in Path(output, "metrics.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            if record.get("step") == 0 and "knn_top1" in record:
-                row["knn_top1_init"] = record["knn_top1"]
-            for key in ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"):
-                if key in record:
-                    row[key] = record[key]
+    arguments = ["--method", name, "--seed", str(seed), *extra]
+    result, seconds, records = standalone.readme_run(arguments, threads)
+    if result.returncode != 0:
+        return {"method": name, "seed": seed, "error": result.stderr[-500:]}
+    row = {"implementation": "ours", "method": name, "seed": seed, "seconds": seconds}
+    for record in records:
+        if record.get("step") == 0 and "knn_top1" in record:
+            row["knn_top1_init"] = record["knn_top1"]
+        for key in ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"):
+            if key in record:
+                row[key] = record[key]
     return row
 
 

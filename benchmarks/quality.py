@@ -15,47 +15,26 @@ runs are kept in ``--saved-runs``: run again after an interruption, it trains on
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 from benchmarks import standalone
 from contrastive_accelerate.config import parse_args
 from trainer import TrainConfig
 
-REPO = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2, 3, 4)
 THREADS = (1, 2)
 
 
 def one_run(seed: int, threads: int, extra: list[str]) -> dict:
     """The README's first command with ``--seed seed`` under ``OMP_NUM_THREADS=threads``."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
-    with tempfile.TemporaryDirectory() as output:
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(REPO / "accelerate_configs" / "single_process.yaml"),
-            str(REPO / "trainer.py"), "--seed", str(seed), "--output-dir", output, *extra,
-        ]  # fmt: skip
-        started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
-        seconds = time.perf_counter() - started
-        if result.returncode != 0:
-            return {"seed": seed, "threads": threads, "error": result.stderr[-500:]}
-        evaluations = [
-            json.loads(line)
-            for line in Path(output, "metrics.jsonl").read_text().splitlines()
-            if '"knn_top1"' in line or '"linear_probe' in line or '"raw_pixels' in line
-        ]
+    result, seconds, records = standalone.readme_run(["--seed", str(seed), *extra], threads)
+    if result.returncode != 0:
+        return {"seed": seed, "threads": threads, "error": result.stderr[-500:]}
     row = {"seed": seed, "threads": threads, "seconds": seconds, "summary": _summary(result)}
-    for record in evaluations:
+    for record in records:
         for key in ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1",
                     "raw_pixels_linear_probe_top1"):  # fmt: skip
             if key in record:

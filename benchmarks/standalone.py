@@ -7,11 +7,17 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
 
 
 def main(
@@ -53,6 +59,32 @@ def write_docs(name: str, lines: list[str], page: str) -> None:
     text = path.read_text()
     start, end = text.index(start_marker) + len(start_marker), text.index(end_marker)
     path.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
+
+
+def readme_run(
+    arguments: list[str], threads: int | None = None
+) -> tuple[subprocess.CompletedProcess, float, list[dict]]:
+    """The README's first command with ``arguments`` (offline, into a temporary
+    ``--output-dir``; under ``OMP_NUM_THREADS=threads`` when given): the finished
+    process, its wall seconds and the records of its ``metrics.jsonl`` (none if it failed)."""
+    env = {"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env |= {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    with tempfile.TemporaryDirectory() as output:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(REPO / "accelerate_configs" / "single_process.yaml"),
+            str(REPO / "trainer.py"), "--output-dir", output, *arguments,
+        ]  # fmt: skip
+        started = time.perf_counter()
+        result = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}
+        )
+        seconds = time.perf_counter() - started
+        records = []
+        if result.returncode == 0:
+            lines = Path(output, "metrics.jsonl").read_text().splitlines()
+            records = [json.loads(line) for line in lines]
+    return result, seconds, records
 
 
 def digest(*values: object) -> str:
