@@ -75,6 +75,7 @@ def train(config: TrainConfig, accelerator: Accelerator | None = None) -> TrainR
     you can call ``train`` again or run collectives of your own afterwards. ``None``:
     one is made from ``config`` (``--report-to``, ``--collective-timeout``).
     """
+    config = config.resolved()  # the output directory too: runs/<method> unless given
     own_accelerator = accelerator is None
     if own_accelerator:
         accelerator = make_accelerator(
@@ -88,7 +89,7 @@ def train(config: TrainConfig, accelerator: Accelerator | None = None) -> TrainR
     )
     prepared = prepared_count(accelerator)
     try:
-        return _train(config.resolved(), accelerator, run, resume_path, own_accelerator)
+        return _train(config, accelerator, run, resume_path, own_accelerator)
     finally:
         run.release()
         if own_accelerator:

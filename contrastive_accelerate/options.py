@@ -253,7 +253,7 @@ class TrainConfig:
     warmup_steps: int = option(10, "linear warm-up steps, then cosine", resume="apply", at_least=0)
     seed: int = option(0, "seed of the weights, the data order and every draw", at_least=0)
     # Run
-    output_dir: str = option("runs/simclr", "checkpoints, final model, metrics", resume="free")
+    output_dir: str | None = option(None, "the run's folder; none: runs/<method>", resume="free")
     overwrite_output_dir: bool = option(
         False, "replace another run's checkpoints and final model", resume="free"
     )
@@ -416,6 +416,7 @@ class TrainConfig:
         config = _fill(
             self,
             method=self.chosen_method,
+            output_dir=os.path.join("runs", self.chosen_method),
             image_size=None if self.image_model or self.clip_model else 8 if digits else 32,
             dropout=0.1 if self.model in VIT_SIZES else 0.0,
             crop_min_scale=0.5 if digits else 0.2,
