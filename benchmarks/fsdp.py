@@ -191,7 +191,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny tower, 2 steps")
+    parser.add_argument(
+        "--publish", action="store_true", help="refresh the published table in docs/fsdp.md"
+    )
     args = parser.parse_args()
+    if args.publish and args.quick:
+        parser.error("--publish refreshes the published figures: a full run, not --quick")
     size, steps = ("tiny", 2) if args.quick else ("bert-base", 5)
     memory = ["| processes | kind | parameters (MiB) | gradients (MiB) | AdamW state (MiB) | "
               "total per process (MiB) | of DDP's |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -217,7 +222,7 @@ def main() -> None:
     table = [f"Tower: {size}; DDP also holds gradient buckets, a second copy of the gradients "
              "(not in the totals).", "", *memory, "", *steps_table]  # fmt: skip
     print("\n".join(table))
-    if not args.quick:
+    if args.publish:
         write_docs("fsdp", table, "fsdp.md")
 
 

@@ -3,7 +3,8 @@
     python -m benchmarks.gpu                         # one CUDA GPU, ~5-8 min
     python -m benchmarks.gpu --device cpu --quick    # smoke test (CI)
 
-Writes ``benchmarks/gpu_results.json`` and prints a table for docs/benchmarks.md:
+Writes ``benchmarks/results/gpu.json`` (ignored by git; ``--output`` another file) and
+prints a table for docs/benchmarks.md:
 - NT-Xent forward+backward against lightly at N = 4096, 16384 and 65536 pairs (ours
   tiles automatically): median time and ``torch.cuda.max_memory_allocated`` beyond the
   inputs (lightly's dense 2N x 2N logits do not fit at 65536: reported as failed).
@@ -30,6 +31,7 @@ import math
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -477,8 +479,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    parser.add_argument("--output", default="benchmarks/gpu_results.json")
+    parser.add_argument("--output", default="benchmarks/results/gpu.json")
     args = parser.parse_args()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     results = run(args.device, args.quick)
     with open(args.output, "w") as file:
         json.dump(results, file, indent=2)

@@ -19,6 +19,7 @@ are kept in ``--saved-runs``: run again after an interruption, it trains only th
     python -m benchmarks.methods --jobs 2     # two runs side by side, one thread each
     python -m benchmarks.methods --seeds 1    # one seed
     python -m benchmarks.methods --quick      # small sizes, 20 training steps per method
+    python -m benchmarks.methods --publish    # refresh docs/methods.md and benchmarks/results.json
 """
 
 from __future__ import annotations
@@ -275,13 +276,14 @@ def main() -> None:
         default="benchmarks/results/methods_runs.jsonl",
         help="finished kNN runs, appended as they end; those of today's recipes are reused",
     )
-    parser.add_argument("--output", default="benchmarks/results.json")
+    standalone.add_output_arguments(parser, "methods")
     args = parser.parse_args()
+    path = standalone.results_path(parser, args, "methods")
     results = run(args.quick, args.seeds, args.jobs, None if args.quick else Path(args.saved_runs))
-    standalone.merge(args.output, "methods", results)
+    standalone.merge(path, "methods", results)
     lines = table_lines(results)
     print("\n".join(lines))
-    if not args.quick:
+    if args.publish:
         standalone.write_docs("methods", lines, "methods.md")
 
 

@@ -10,6 +10,7 @@ runs are kept in ``--saved-runs``: run again after an interruption, it trains on
 
     python -m benchmarks.quality            # 5 seeds x 2 kernel paths: about an hour on 2 cores
     python -m benchmarks.quality --jobs 2   # two runs side by side (the kernel path unchanged)
+    python -m benchmarks.quality --jobs 2 --publish   # refresh docs/benchmarks.md's figures
 """
 
 from __future__ import annotations
@@ -125,15 +126,18 @@ def main() -> None:
         default="benchmarks/results/quality_runs.jsonl",
         help="finished runs, appended as they end; those of today's recipe are reused",
     )
-    parser.add_argument("--output", default="benchmarks/results.json")
+    standalone.add_output_arguments(parser, "quality")
     parser.add_argument("trainer_args", nargs="*", help="after --: extra trainer.py arguments")
     args = parser.parse_args()
+    if args.publish and args.trainer_args:
+        parser.error("--publish refreshes the default recipe's figures: no trainer arguments")
+    path = standalone.results_path(parser, args, "quality")
     saved = None if args.quick else Path(args.saved_runs)
     results = run(args.quick, args.trainer_args, args.jobs, saved)
-    standalone.merge(args.output, "quality", results)
+    standalone.merge(path, "quality", results)
     lines = table_lines(results)
     print("\n".join(lines))
-    if not args.quick and not args.trainer_args:  # only the default recipe's figure goes there
+    if args.publish:
         standalone.write_docs("quality", lines, "benchmarks.md")
 
 

@@ -2,6 +2,9 @@
 
     pip install -e ".[bench]" && python -m benchmarks.run            # ~20 min on 2 cores
     python -m benchmarks.run --quick                                  # small sizes, ~2 min
+    python -m benchmarks.run --publish            # the published figures: benchmarks/results.json
+
+Writes ``benchmarks/results/run.json`` (ignored by git) unless ``--output`` names a file.
 
 Speed and memory live here, never in the tests: CI must not fail because a
 machine is noisy. Ratios come from implementations interleaved in one run.
@@ -17,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks import gather, grad_cache, knn, loss_family, sync_batchnorm
+from benchmarks import gather, grad_cache, knn, loss_family, standalone, sync_batchnorm
 from benchmarks.loss import peak_memory, time_losses
 from benchmarks.throughput import augmentation_cost, loader_throughput, trainer_throughput
 
@@ -182,16 +185,17 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    parser.add_argument("--output", default="benchmarks/results.json")
-    args = parser.parse_args()
+    standalone.add_output_arguments(parser, "run")
+    args = parser.parse_args(argv)
+    path = standalone.results_path(parser, args, "run")
     results = run(args.quick)
-    with open(args.output, "w") as file:
+    with open(path, "w") as file:
         json.dump(results, file, indent=2)
     print(table(results))
-    print(f"\nwrote {args.output}")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
-"""One benchmark module run alone: its table printed, its results merged into the results
-file that ``python -m benchmarks.run`` writes whole."""
+"""One benchmark module run alone: its table printed, its results merged into a results
+file, and what every benchmark shares: where results go, the README's run, saved runs.
+
+A benchmark writes into ``benchmarks/results/`` (ignored by git), or the file ``--output``
+names, so that no run changes the published figures; ``--publish`` refreshes them:
+``benchmarks/results.json``'s entry and the benchmark's table in ``docs/``."""
 
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
+#: The published figures (tracked): written only by ``--publish``.
+PUBLISHED = REPO / "benchmarks" / "results.json"
+#: Where a benchmark run from the repository's root writes unless told (ignored by git).
+RESULTS = Path("benchmarks") / "results"
 
 
 def main(
@@ -25,18 +33,46 @@ def main(
     description: str,
     run: Callable[[bool], dict],
     table_lines: Callable[[dict], list[str]],
+    argv: Sequence[str] | None = None,
 ) -> None:
-    """``python -m benchmarks.<name> [--quick] [--output FILE]``."""
+    """``python -m benchmarks.<name> [--quick] [--output FILE | --publish]``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
-    parser.add_argument("--output", default="benchmarks/results.json")
-    args = parser.parse_args()
+    add_output_arguments(parser, name)
+    args = parser.parse_args(argv)
+    path = results_path(parser, args, name)
     results = run(args.quick)
-    merge(args.output, name, results)
+    merge(path, name, results)
     print("\n".join(table_lines(results)))
+    print(f"\nwrote {path}")
 
 
-def merge(path: str, name: str, results: dict) -> None:
+def add_output_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--output FILE`` and ``--publish``, the same for every benchmark (it has ``--quick``)."""
+    parser.add_argument(
+        "--output", help=f"the results file; default {RESULTS / name}.json (ignored by git)"
+    )
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="refresh the published figures: benchmarks/results.json and, for a benchmark "
+        "with one, its table in docs/",
+    )
+
+
+def results_path(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> Path:
+    """The file a run writes: ``PUBLISHED`` for ``--publish`` (a full run only), else
+    ``--output`` or ``RESULTS/<name>.json``. Refused in one line before anything runs."""
+    if args.publish and args.quick:
+        parser.error("--publish refreshes the published figures: a full run, not --quick")
+    if args.publish and args.output:
+        parser.error(f"--publish writes {PUBLISHED.relative_to(REPO)}: leave --output out")
+    path = PUBLISHED if args.publish else Path(args.output or RESULTS / f"{name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def merge(path: Path, name: str, results: dict) -> None:
     """``results`` as the entry ``name`` of the results file, the other entries kept."""
     try:
         with open(path) as file:

@@ -3,9 +3,12 @@ methods through our pipeline, run here on the CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+
+import pytest
 
 from launch import ENV, REPO
 
@@ -18,8 +21,8 @@ def test_gpu_benchmark_smoke_mode_runs_on_the_cpu(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=ENV,
-        cwd=REPO,
+        env={**ENV, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(output.read_text())
@@ -56,3 +59,53 @@ def test_the_streaming_loader_benchmark_runs_on_the_cpu():
     assert [row["loader"] for row in results["rows"]] == ["streamed", "map-style", "webdataset"]
     assert all(row["samples_per_s"] > 0 for row in results["rows"])
     print("\n".join(table_lines(results)))
+
+
+def _published() -> bytes:
+    return (REPO / "benchmarks" / "results.json").read_bytes()
+
+
+def test_a_benchmark_run_writes_into_the_ignored_folder_not_the_published_figures(
+    tmp_path, monkeypatch
+):
+    """``python -m benchmarks.run --quick`` (its measurements stubbed: the paths are the
+    point) and a module run alone write ``benchmarks/results/`` under the folder they run
+    in, which git ignores; ``benchmarks/results.json`` stays byte for byte as it was."""
+    import benchmarks.run
+    from benchmarks import standalone
+
+    published = _published()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(benchmarks.run, "run", lambda quick: {"quick": quick})
+    monkeypatch.setattr(benchmarks.run, "table", lambda results: "the table")
+    benchmarks.run.main(["--quick"])
+    standalone.main("probe", "a probe", lambda quick: {"quick": quick}, lambda r: [], ["--quick"])
+    assert json.loads((tmp_path / "benchmarks" / "results" / "run.json").read_text()) == {
+        "quick": True
+    }
+    probe = json.loads((tmp_path / "benchmarks" / "results" / "probe.json").read_text())
+    assert probe == {"probe": {"quick": True}}
+    assert _published() == published
+    ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q",
+                              "benchmarks/results/run.json"], timeout=60)  # fmt: skip
+    assert ignored.returncode == 0  # git ignores the default folder
+
+
+def test_quick_never_publishes_and_publish_is_the_published_file(tmp_path, monkeypatch, capsys):
+    """``--quick --publish`` is refused before anything runs; ``--publish`` alone writes
+    the published file."""
+    import benchmarks.run
+    from benchmarks import standalone
+
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    monkeypatch.setattr(benchmarks.run, "run", ran.append)
+    with pytest.raises(SystemExit) as refused:
+        benchmarks.run.main(["--quick", "--publish"])
+    assert refused.value.code == 2 and ran == []
+    assert "--publish refreshes the published figures" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    standalone.add_output_arguments(parser, "run")
+    publish = parser.parse_args(["--publish"])
+    publish.quick = False
+    assert standalone.results_path(parser, publish, "run") == REPO / "benchmarks" / "results.json"
