@@ -24,7 +24,6 @@ one is never picked by ``latest_checkpoint``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -47,6 +46,7 @@ from contrastive_accelerate.durable_files import (
     write_tensors,
 )
 from contrastive_accelerate.ranks import exchange
+from contrastive_accelerate.untrusted import read_json
 
 FORMAT = "contrastive-accelerate-checkpoint/1"
 MODEL_FILE, OPTIMIZER_FILE, METHOD_FILE, STATE_FILE = (
@@ -296,8 +296,7 @@ def load_checkpoint(path: str) -> Checkpoint:
 def _read_state(path: str) -> dict[str, Any]:
     state_file = os.path.join(path, STATE_FILE)
     try:
-        with open(state_file) as file:
-            state = json.load(file)
+        state = read_json(state_file)
     except (OSError, ValueError) as error:
         raise CheckpointError(
             f"{path!r}: incomplete checkpoint (no valid {STATE_FILE}: {error_reason(error)})"

@@ -24,7 +24,6 @@ used, and a ``.metadata`` file found in a checkpoint is never read.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -35,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
 from contrastive_accelerate.sharding import local_rows, shard_rows
+from contrastive_accelerate.untrusted import read_json
 
 SHARDS_FILE = "shards.json"
 SHARDS_FORMAT = "contrastive-accelerate-shards/2"  # /1 kept the method state whole
@@ -83,8 +83,7 @@ def read_layout(path: str) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
     """Check the shards of the checkpoint at ``path`` against its ``shards.json``; returns
     the number of ranks that wrote it and each part's layout. Raises ``ShardError``."""
     try:
-        with open(os.path.join(path, SHARDS_FILE)) as file:
-            layout = json.load(file)
+        layout = read_json(os.path.join(path, SHARDS_FILE))
     except (OSError, ValueError) as error:
         raise ShardError(f"unreadable {SHARDS_FILE}: {error}") from None
     world_size = layout.get("world_size") if isinstance(layout, dict) else None
@@ -104,8 +103,13 @@ def read_layout(path: str) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
         or set(tensors) != set(PARTS)
     ):
         raise ShardError(f"malformed {SHARDS_FILE}")
-    expected = {shard_file(part, rank, world_size) for part in PARTS for rank in range(world_size)}
     present = {name for name in os.listdir(path) if _SHARD.fullmatch(name)}
+    if world_size > len(present):  # bounded by the files there before it sizes anything
+        raise ShardError(
+            f"{SHARDS_FILE} names {world_size} ranks, but the checkpoint holds "
+            f"{len(present)} shard files"
+        )
+    expected = {shard_file(part, rank, world_size) for part in PARTS for rank in range(world_size)}
     if set(files) != expected:
         raise ShardError(f"{SHARDS_FILE} does not list the {world_size} ranks' shards")
     if missing := sorted(expected - present):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -23,6 +22,8 @@ import types
 import typing
 from collections.abc import Sequence
 from typing import Any
+
+from contrastive_accelerate.untrusted import parse_json, parse_yaml, preview
 
 #: Resume rules: "refuse" - a different value on resume is an error (it changes the data,
 #: the model or what the saved state means); "apply" - the new value is used and said;
@@ -126,7 +127,7 @@ def _coerce(name: str, value: Any, kind: type, optional: bool, several: bool = F
                 pass
     elif isinstance(value, str):
         return value
-    raise ConfigError(f"{flag(name)}: expected {kind.__name__}, got {value!r}")
+    raise ConfigError(f"{flag(name)}: expected {kind.__name__}, got {preview(value)}")
 
 
 def validate(config: Any) -> None:
@@ -143,7 +144,7 @@ def validate(config: Any) -> None:
         choices = field.metadata["choices"]
         if choices and value not in choices:
             options = ", ".join(map(str, choices))
-            raise ConfigError(f"{flag(field.name)} {value!r}: choose one of {options}")
+            raise ConfigError(f"{flag(field.name)} {preview(value)}: choose one of {options}")
         if kind in (int, float):
             _check_bounds(field.name, value, *field.metadata["bounds"])
 
@@ -223,18 +224,15 @@ def parser(cls, description: str) -> argparse.ArgumentParser:
 
 def load_file(cls, path: str) -> dict[str, Any]:
     """The options in a YAML or JSON file, keyed by field name; unknown keys are an error."""
-    import yaml
-
     try:
         with open(path) as file:
             text = file.read()
     except OSError as error:
         raise ConfigError(f"--config {path!r}: {error.strerror or error}") from None
     try:
-        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else "unreadable"
-        raise ConfigError(f"--config {path!r}: not valid YAML/JSON: {first}") from None
+        values = parse_json(text) if path.endswith(".json") else parse_yaml(text)
+    except ValueError as error:
+        raise ConfigError(f"--config {path!r}: not valid YAML/JSON: {error}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):

@@ -128,12 +128,21 @@ def test_latest_ignores_partial_and_incomplete_directories(tmp_path):
     (tmp_path / "checkpoint-12" / STATE_FILE).write_text('{"step": 12')  # cut short
     shutil.copytree(tmp_path / "checkpoint-10", tmp_path / "checkpoint-13")
     (tmp_path / "checkpoint-13" / STATE_FILE).unlink()
+    shutil.copytree(tmp_path / "checkpoint-10", tmp_path / "checkpoint-14")
+    # Nested deeper than json's stack: a RecursionError in any run's scan, were it not caught.
+    (tmp_path / "checkpoint-14" / STATE_FILE).write_text("[" * 200_000 + "]" * 200_000)
     assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == [
         "checkpoint-2",
         "checkpoint-9",
         "checkpoint-10",
     ]
     assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(str(tmp_path / "checkpoint-14"))
+    assert str(refused.value) == (
+        f"{str(tmp_path / 'checkpoint-14')!r}: incomplete checkpoint (no valid {STATE_FILE}: "
+        "nested too deeply to read)"
+    )
 
 
 def test_output_directory_rules(tmp_path):

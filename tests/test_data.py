@@ -356,3 +356,21 @@ def test_a_hub_name_that_cannot_be_fetched_is_refused_at_once(tmp_path, monkeypa
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     (tmp_path / "models--someone--model").mkdir()
     assert unreachable_reason("someone/model", "models") is None
+
+
+def test_an_error_quotes_a_short_preview_of_a_value_never_the_value():
+    """A 2 MB member named as a text column was an error line of 5.7 million characters:
+    the message quotes its type, its length and its first characters."""
+    from contrastive_accelerate.data.pairs import row_problem
+    from contrastive_accelerate.untrusted import PREVIEW_CHARS, preview
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(2_000_000)
+    row = {"__source__": "shard-00001.tar, 000008", "txt": png}
+    problem = row_problem(row, ["txt"])
+    print(problem)
+    assert problem.startswith(
+        "shard-00001.tar, 000008: column 'txt' holds bytes, 2,000,008 long: b'\\x89PNG"
+    )
+    assert len(problem) < 200
+    assert preview("a caption") == "'a caption'"  # short values whole
+    assert len(preview(list(range(10**6)))) < PREVIEW_CHARS + 40

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from contrastive_accelerate.checkpoint import CheckpointError, load_checkpoint
+from contrastive_accelerate.checkpoint_shards import SHARDS_FORMAT, ShardError, read_layout
 from contrastive_accelerate.workers import run_on_ranks
 
 from launch import TrainerRuns, final_files_difference, one_chunk, one_line_errors, train_pooled
@@ -528,3 +529,36 @@ def test_a_sharded_teacher_is_checkpointed_as_shards_and_resumes_anywhere(images
         error = final_files_difference(straight, output)
         print(f"teacher sharded on 2 -> {processes} {' '.join(fsdp)}: final/ {error:.1e}")
         assert error <= EXACT
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        pytest.param(
+            {
+                "format": SHARDS_FORMAT,
+                "world_size": 30_000_000,
+                "files": {},
+                "tensors": {"model": {}, "optimizer": {}, "method": {}},
+            },
+            "shards.json names 30000000 ranks, but the checkpoint holds 0 shard files",
+            id="huge-world-size",
+        ),  # fmt: skip
+        pytest.param(
+            "[" * 200_000 + "]" * 200_000,
+            "unreadable shards.json: nested too deeply to read",
+            id="nested-200000-deep",
+        ),
+    ],
+)
+def test_a_hostile_shards_json_is_refused_before_it_sizes_anything(tmp_path, layout, message):
+    """A count read from the file is bounded by the files there before it sizes a set (30
+    million ranks were a MemoryError), and JSON too deep for the parser is one line."""
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    text = layout if isinstance(layout, str) else json.dumps(layout)
+    (checkpoint / "shards.json").write_text(text)
+    with pytest.raises(ShardError) as refused:
+        read_layout(str(checkpoint))
+    print(refused.value)
+    assert message in str(refused.value) and "\n" not in str(refused.value)

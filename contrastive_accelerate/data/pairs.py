@@ -27,6 +27,7 @@ from contrastive_accelerate.data.sources import (
     load_image_dataset,
     load_splits,
 )
+from contrastive_accelerate.untrusted import preview
 
 # The tokenizer is used before the loader forks its workers (the truncation count):
 # its thread pool must not be inherited half-initialised.
@@ -237,8 +238,8 @@ def row_problem(
         texts = [value] if isinstance(value, str) else value
         if not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
             return (
-                f"{row['__source__']}: column {column!r} holds {value!r}, neither a text nor a "
-                "non-empty list of texts"
+                f"{row['__source__']}: column {column!r} holds {preview(value)}, neither a text "
+                "nor a non-empty list of texts"
             )
     return None
 
@@ -268,8 +269,8 @@ def check_texts(dataset, columns: Sequence[str], split: str) -> None:
             texts = [value] if isinstance(value, str) else value
             if not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
                 raise DataError(
-                    f"column {column!r}, row {row} of split {split!r}: {value!r} is neither a "
-                    "text nor a non-empty list of texts"
+                    f"column {column!r}, row {row} of split {split!r}: {preview(value)} is "
+                    "neither a text nor a non-empty list of texts"
                 )
 
 

@@ -57,6 +57,7 @@ import torch
 
 from contrastive_accelerate.data.sampler import derive_seed, share_sizes
 from contrastive_accelerate.data.sources import DataError, first_line
+from contrastive_accelerate.untrusted import parse_json
 
 #: Shard formats by file suffix.
 SHARD_FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -220,9 +221,9 @@ def _jsonl_rows(path: str) -> Iterator[dict | BadRow]:
                 continue
             source = f"{path}, line {number}"
             try:
-                row = json.loads(line)
+                row = parse_json(line)
             except ValueError as error:
-                yield BadRow(f"{source}: malformed JSON ({first_line(error)})")
+                yield BadRow(f"{source}: malformed JSON ({error})")
                 continue
             if not isinstance(row, dict):
                 yield BadRow(f"{source}: a JSON {type(row).__name__}, not an object")
@@ -301,7 +302,7 @@ def _member_value(extension: str, data: bytes, path: str, member: str) -> Any:
         if extension in ("txt", "text", "caption"):
             return data.decode("utf-8")
         if extension == "json":
-            return json.loads(data)
+            return parse_json(data)
         if extension in ("cls", "cls2", "index"):
             return int(data.strip())
     except ValueError as error:
