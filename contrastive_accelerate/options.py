@@ -376,10 +376,11 @@ class TrainConfig:
                 weights = [float(weight) for weight in self.mixture_weights.split(",")]
             except ValueError:
                 weights = []
-            if len(weights) != len(self.dataset) or not all(w > 0 for w in weights):
+            finite = all(0 < w < float("inf") for w in weights) and sum(weights) < float("inf")
+            if len(weights) != len(self.dataset) or not finite:
                 raise ConfigError(
                     f"--mixture-weights {self.mixture_weights}: {len(self.dataset)} positive "
-                    "numbers, one per --dataset"
+                    "finite numbers, one per --dataset, with a finite sum"
                 )
 
     @property

@@ -217,6 +217,11 @@ def test_command_line_overrides_the_file_and_dashes_are_accepted(tmp_path):
         ("augment: 1\n", "--augment: expected bool"),
         ("- lr\n", "expected a mapping"),
         ("lr: [1\n", "not valid YAML/JSON"),
+        pytest.param(
+            "lr: " + "[" * 100_000 + "]" * 100_000 + "\n",
+            "not valid YAML/JSON: nested too deeply",
+            id="nested-100000-deep",
+        ),
         ("model: vgg\n", "--model 'vgg': choose one of"),
     ],
 )
@@ -227,6 +232,19 @@ def test_bad_config_files_name_the_problem(tmp_path, text, message):
         parse_args(TrainConfig, ["--config", str(path)])
     with pytest.raises(ConfigError, match="No such file"):
         parse_args(TrainConfig, ["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_a_json_config_nested_too_deeply_is_one_line(tmp_path):
+    """200,000 levels: json's own parser raises RecursionError, which the reader turns
+    into the config file's one-line error."""
+    path = tmp_path / "run.json"
+    path.write_text('{"lr": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    with pytest.raises(ConfigError) as refused:
+        parse_args(TrainConfig, ["--config", str(path)])
+    assert (
+        str(refused.value)
+        == f"--config {str(path)!r}: not valid YAML/JSON: nested too deeply to read"
+    )
 
 
 @pytest.mark.parametrize(
@@ -407,3 +425,11 @@ def test_a_dataset_given_several_times_is_a_mixture_of_them(tmp_path):
     for message, argv in refused.items():
         with pytest.raises(ConfigError, match=message):
             parse_args(TrainConfig, argv)
+    # Each weight finite, and their sum: 1e308 + 1e308 overflows to inf.
+    for weights in ("inf,1", "nan,1", "1e308,1e308", "-1,2"):
+        with pytest.raises(ConfigError) as error:
+            parse_args(TrainConfig, [*MIXED, f"--mixture-weights={weights}"])
+        assert str(error.value) == (
+            f"--mixture-weights {weights}: 2 positive finite numbers, one per --dataset, "
+            "with a finite sum"
+        )

@@ -195,3 +195,12 @@ def test_a_streamed_source_without_weights_is_one_line(sources, tiny_bert, tmp_p
                           str(tmp_path / "run"), check=False)  # fmt: skip
     one_line_errors(result, "a mixture with a streamed source needs --mixture-weights", 1)
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_weights_that_overflow_are_refused_on_every_rank_before_a_step(sources, tmp_path):
+    """Two finite weights whose sum is infinite passed the check and failed at step 1 in a
+    loader worker, with its traceback in the error line: now every rank refuses them."""
+    result = train_pooled(2, "--dataset", sources["plain"], "--dataset", sources["plain"],
+                          "--mixture-weights", "1e308,1e308", "--text-model", "scratch",
+                          *COMMON, "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
+    one_line_errors(result, "--mixture-weights 1e308,1e308: 2 positive finite numbers", 2)
