@@ -103,6 +103,12 @@ class RunDirectory:
             if os.path.exists(metrics):
                 os.remove(metrics)
             return None
+        if resume_from == "latest":  # a finished run's final/, no checkpoint: requeued
+            raise CheckpointError(
+                f"--output-dir {self.path!r} holds a finished run ({FINAL_DIR}, no checkpoint "
+                "to continue): it is complete; --overwrite-output-dir trains it again, or "
+                "choose another --output-dir"
+            )
         found = [os.path.basename(p) for p in checkpoints[-3:]]
         if os.path.exists(final):
             found.append(FINAL_DIR)
