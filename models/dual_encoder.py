@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
-from models.loading import first_line, load_auto_model
+from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 from models.text import ImageTextProjections, image_text_forward
 from models.vision import DATA_MEAN, DATA_STD
@@ -141,9 +141,9 @@ class DualEncoder(ImageTextProjections, nn.Module):
             if is_adapted(self.model):
                 save_adapted(self.model, directory, os.path.join(directory, ADAPTER_DIR))
             else:
-                self.model.save_pretrained(directory, safe_serialization=True)
-        self.tokenizer.save_pretrained(directory)
-        self.processor.save_pretrained(directory)
+                save_without_code(self.model, directory, safe_serialization=True)
+        save_without_code(self.tokenizer, directory)
+        save_without_code(self.processor, directory)
 
 
 def _features(output: Any) -> torch.Tensor:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from models.loading import save_without_code
+
 #: The query and value projections, which the LoRA paper adapts, under the names of
 #: BERT-style (``query``, ``value``) and CLIP-, SigLIP- and ViT-style attention.
 DEFAULT_TARGETS = ("query", "value", "q_proj", "v_proj")
@@ -91,7 +93,6 @@ def save_adapted(encoder: nn.Module, merged_directory: str, adapter_directory: s
     ``adapter_model.safetensors``: what ``PeftModel.from_pretrained`` loads onto the base
     model), and a merged copy of the model (``W + (alpha / r) B A``, no peft needed) in
     ``merged_directory``, which ``AutoModel`` loads. The trained model is left as it is."""
-    encoder.save_pretrained(adapter_directory, safe_serialization=True)
-    copy.deepcopy(encoder).merge_and_unload().save_pretrained(
-        merged_directory, safe_serialization=True
-    )
+    save_without_code(encoder, adapter_directory, safe_serialization=True)
+    merged = copy.deepcopy(encoder).merge_and_unload()
+    save_without_code(merged, merged_directory, safe_serialization=True)

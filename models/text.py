@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
-from models.loading import first_line, load_auto_model
+from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 from models.vision import PretrainedImageModel
 
@@ -367,10 +367,10 @@ def save_towers(
             if adapter:
                 save_adapted(tower.encoder, path, os.path.join(directory, adapter))
             else:
-                tower.encoder.save_pretrained(path, safe_serialization=True)
+                save_without_code(tower.encoder, path, safe_serialization=True)
             projection = copy.deepcopy(tower.projection)  # small: kept past the tower
         if index < len(tokenizers):
-            tokenizers[index].save_pretrained(path)
+            save_without_code(tokenizers[index], path)
         heads.append((tower.encoder.config.hidden_size, tower.pooling, projection))
         width = tower.projection.out_features if tower.projection is not None else None
         described.append({"path": TOWER_DIR.format(index), "pooling": tower.pooling,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models.dropout import sample_randomness
-from models.loading import first_line, load_auto_model
+from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 
 #: ``pooled``: the model's own pooled output (CLIP's and DINOv2's layer-normed class
@@ -147,9 +147,9 @@ class PretrainedImageModel(nn.Module):
         if is_adapted(encoder):
             save_adapted(encoder, directory, adapter_directory or directory + "_adapter")
         else:
-            encoder.save_pretrained(directory, safe_serialization=True)
+            save_without_code(encoder, directory, safe_serialization=True)
         if self.processor is not None:
-            self.processor.save_pretrained(directory)
+            save_without_code(self.processor, directory)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.encoder(images)

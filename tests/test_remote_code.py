@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launch import ENV, REPO, launch_command
+from launch import ENV, REPO, launch_command, train_pooled
 
 pytest.importorskip("transformers")
 
@@ -113,3 +113,24 @@ def test_every_from_pretrained_refuses_remote_code():
         if "Model" in ast.unparse(call.func.value):
             safetensors = keywords.get("use_safetensors")
             assert isinstance(safetensors, ast.Constant) and safetensors.value is True, where
+
+
+def test_the_export_drops_an_auto_map_that_names_code_it_does_not_hold(
+    tiny_bert, sentence_pairs, tmp_path
+):
+    """A BERT whose config and tokenizer also carry an ``auto_map`` loads as the BERT it
+    is (no code runs); ``final/`` leaves the map out, as it holds no such code. The
+    control: the input folder keeps it."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_bert, folder)
+    for name, key in (("config.json", "AutoModel"), ("tokenizer_config.json", "AutoTokenizer")):
+        config = json.loads((folder / name).read_text())
+        config["auto_map"] = {key: "elsewhere.Planted"}
+        (folder / name).write_text(json.dumps(config))
+    train_pooled(1, "--dataset", sentence_pairs, "--columns", "anchor,positive", "--text-model",
+                 str(folder), "--max-length", "16", "--max-steps", "1", "--knn-k", "0",
+                 "--output-dir", str(tmp_path / "run"))  # fmt: skip
+    exported = tmp_path / "run" / "final" / "tower0"
+    for name in ("config.json", "tokenizer_config.json"):
+        assert "auto_map" in json.loads((folder / name).read_text())
+        assert "auto_map" not in json.loads((exported / name).read_text()), name
