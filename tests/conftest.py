@@ -7,17 +7,20 @@ string, as a command line takes it. Tests must not modify them: copy first.
 from __future__ import annotations
 
 import os
-import time
+from collections.abc import Iterator
+from pathlib import Path
 
-import psutil
 import pytest
+from session_checks import (  # noqa: F401 - its hooks: the session checks what it leaves
+    pytest_addoption,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+)
 
-# Every process the session starts inherits this mark (launch.ENV is built from the
-# environment at import): what is still alive with it at the end was left behind.
-SESSION_MARK = "CONTRASTIVE_ACCELERATE_TEST_SESSION"
-os.environ.setdefault(SESSION_MARK, str(os.getpid()))
+from contrastive_accelerate.checkpoint import FINAL_DIR
+from contrastive_accelerate.methods import METHODS
 
-from launch import (  # noqa: E402
+from launch import (
     TEST_ENVIRONMENT,
     WORDS,
     make_dual_encoder,
@@ -54,41 +57,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: each module keeps its own order
 
 
-def processes_left_behind() -> list[str]:
-    """This session's processes that are still alive, but for this one."""
-    mark, left = os.environ[SESSION_MARK], []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if process.pid != os.getpid() and process.environ().get(SESSION_MARK) == mark:
-                left.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])[:200]}")
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return left
-
-
-#: A pool's workers exit within 5 s of their pytest process; xdist's take a moment too.
-LEFT_BEHIND_GRACE_S = 20.0
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """No test may leave processes behind: the session fails if one outlives it."""
-    if hasattr(session.config, "workerinput"):  # an xdist worker: its controller checks
-        return
-    from contrastive_accelerate.workers import close_workers
-
-    close_workers()  # this process's own pool (a run without xdist)
-    deadline = time.monotonic() + LEFT_BEHIND_GRACE_S
-    while (left := processes_left_behind()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if left:
-        print("\nprocesses left behind by the tests:\n" + "\n".join(left), flush=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """The processes the suite starts inherit ``TEST_ENVIRONMENT``: the launches, and the
     pooled workers, whether a check or a trainer run starts them."""
     os.environ.update(TEST_ENVIRONMENT)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def working_directory(tmp_path_factory) -> Iterator[Path]:
+    """Where every test of the session runs, and every process it starts: a folder of its
+    own, never the checkout, where each method's default output folder (``runs/<method>``)
+    already holds a finished run, as after a user's own runs. A test that trains without
+    ``--output-dir`` is refused here, as it would be in a user's checkout."""
+    path = tmp_path_factory.mktemp("working-directory")
+    for method in METHODS:
+        os.makedirs(path / "runs" / method / FINAL_DIR)
+    previous = os.getcwd()
+    os.chdir(path)
+    yield path
+    os.chdir(previous)
 
 
 @pytest.fixture(scope="session")

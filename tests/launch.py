@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from session_checks import SESSION_MARK  # noqa: F401 - in os.environ before ENV is built
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -150,6 +151,7 @@ def train_pooled(
         free_port(),
         list(trainer_args),
         {**ENV, **(environment or {})},
+        os.getcwd(),
         timeout_s=timeout,
     )
     codes = [code for code, _, _ in per_rank]
@@ -168,13 +170,20 @@ def train_pooled(
 
 
 def _trainer_main(
-    rank: int, world_size: int, port: int, argv: list[str], environment: dict[str, str]
+    rank: int,
+    world_size: int,
+    port: int,
+    argv: list[str],
+    environment: dict[str, str],
+    working_directory: str,
 ) -> tuple[int, str, str]:
-    """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state,
-    with its exit code and what it wrote to stdout and stderr."""
+    """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state, in
+    the caller's working directory (where a launch would start), with its exit code and
+    what it wrote to stdout and stderr."""
     import trainer
 
     fresh_process_state(rank, world_size, port, environment)
+    os.chdir(working_directory)
     with _captured_output() as output:
         try:
             trainer.main(argv)
@@ -260,6 +269,13 @@ def _captured_output() -> Iterator[list[str]]:
                 output.append(file.read())
 
 
+def readme_commands() -> list[str]:
+    """The README's two commands as a user copies them: the lines of its first ``bash``
+    block that are not comments (install and train, install and test)."""
+    block = (REPO / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
 def launch_command(
     num_processes: int, script: Path, *args: str, launcher_flags: list[str] | None = None
 ) -> list[str]:
@@ -318,15 +334,21 @@ def launch_script(
     launcher_flags: list[str] | None = None,
     environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch SCRIPT ARGS`` (a trainer or a user's script) on CPU processes."""
+    """``accelerate launch SCRIPT ARGS`` (a trainer or a user's script) on CPU processes, in
+    the current working directory: the session's own (``tests/conftest.py``), never the
+    checkout."""
     command = launch_command(num_processes, script, *args, launcher_flags=launcher_flags)
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                            env={**ENV, **(environment or {})}, cwd=REPO)  # fmt: skip
+                            env={**ENV, **(environment or {})})  # fmt: skip
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+#: The longest line a refused run may print: an error quotes a short preview of a value.
+MAX_OUTPUT_LINE = 2000
 
 
 def one_line_errors(result: subprocess.CompletedProcess, expected: str, num_processes: int):
@@ -339,6 +361,8 @@ def one_line_errors(result: subprocess.CompletedProcess, expected: str, num_proc
     assert result.returncode != 0
     assert len(errors) == num_processes, result.stderr  # every rank says it, once
     assert all(expected in line for line in errors), errors
+    longest = max((len(line) for line in (result.stdout + result.stderr).splitlines()), default=0)
+    assert longest <= MAX_OUTPUT_LINE, f"a line of {longest:,} characters"
     # Accelerate's launcher reports the failed child with its own traceback; ours must not.
     for source in ('trainer.py", line', "contrastive_accelerate", "losses", "models"):
         assert source not in result.stderr, result.stderr
@@ -598,7 +622,6 @@ def start(
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
-        cwd=REPO,
         start_new_session=True,
     )
 

@@ -163,7 +163,6 @@ def _direct(*args: str) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
-        cwd=REPO,
     )
 
 
@@ -225,7 +224,7 @@ def test_second_signal_after_the_repeat_window_exits_at_once():
         "    print('still running', flush=True)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.stdout == "requested SIGTERM\n"
     assert result.returncode == -signal.SIGTERM
@@ -420,7 +419,6 @@ def test_disk_full_names_the_path_and_keeps_the_last_checkpoint(tmp_path, base_r
         text=True,
         timeout=300,
         env=ENV,
-        cwd=REPO,
         preexec_fn=small_files,
     )
     one_line_errors(
@@ -503,3 +501,18 @@ def test_skipped_images_keep_one_and_two_processes_identical(tmp_path, unusual_i
     diff = max_abs_diff(*finals)
     print(f"--skip-bad-images, 1 vs 2 processes: max abs diff {diff:.3e}")
     assert diff <= 1e-10
+
+
+def test_a_finished_run_requeued_with_latest_is_refused_naming_its_state(tmp_path):
+    """A scheduler that requeues a finished job (``--resume-from latest``, a ``final/`` and
+    no checkpoint) gets the run's real state and the real remedy, not the advice to pass
+    the flag it passed; the finished run is left as it was."""
+    flags = ["--model", "mlp", "--max-steps", "1", "--knn-k", "0", "--output-dir",
+             str(tmp_path / "run")]  # fmt: skip
+    train_pooled(2, *flags)
+    model = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
+    result = train_pooled(2, *flags, "--resume-from", "latest", check=False)
+    print(one_line_errors(result, "holds a finished run (final, no checkpoint to continue)", 2))
+    assert result.returncode == 2
+    assert "--resume-from latest to continue" not in result.stderr
+    assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == model

@@ -380,7 +380,7 @@ def test_the_kit_from_standard_input_says_its_workers_cannot_start():
     """Spawned workers import the caller's __main__ again, which a script read from
     standard input does not have: the check says so at once, not after its timeouts."""
     result = subprocess.run([sys.executable, "-"], input=STDIN_CHECK, capture_output=True,
-                            text=True, env=ENV, cwd=REPO, timeout=120)  # fmt: skip
+                            text=True, env=ENV, timeout=120)  # fmt: skip
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert "WorkerStartError: the worker process of rank" in last, result.stderr[-2000:]

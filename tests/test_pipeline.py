@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from launch import (
+    ENV,
+    LAUNCH_TIMEOUT_S,
     REPO,
     launch,
     launch_script,
     one_line_errors,
+    readme_commands,
     small_labelled_dataset,
     train_pooled,
 )
@@ -193,7 +198,31 @@ def test_an_image_run_never_imports_transformers(tmp_path):
         print(sorted(m for m in ("transformers", "sentence_transformers", "tokenizers")
                      if m in sys.modules))
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=REPO, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_the_readmes_first_command_run_twice_ends_with_its_one_line_refusal(tmp_path):
+    """The README's first command as written (shortened to one step), twice, through
+    ``accelerate launch``, in a folder that holds what the command names (the checkout's
+    ``trainer.py`` and ``accelerate_configs``): the second run meets the first's
+    ``runs/simclr`` and the last line it prints is the refusal, no traceback under it."""
+    install, train = readme_commands()[0].split(" && ")
+    assert install == "pip install -e ."
+    for name in ("trainer.py", "accelerate_configs"):
+        (tmp_path / name).symlink_to(REPO / name)
+    launcher = Path(sys.executable).with_name("accelerate")
+    command = [str(launcher), *shlex.split(train)[1:], "--max-steps", "1", "--knn-k", "0"]
+    runs = [subprocess.run(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=LAUNCH_TIMEOUT_S)
+            for _ in range(2)]  # fmt: skip
+    print(f"the second run, exit {runs[1].returncode}, printed:\n{runs[1].stdout}")
+    assert runs[0].returncode == 0, runs[0].stdout[-3000:]
+    assert (tmp_path / "runs" / "simclr" / "final" / "model.safetensors").is_file()
+    assert runs[1].returncode != 0
+    last = runs[1].stdout.strip().splitlines()[-1]
+    assert last.startswith("error: --output-dir 'runs/simclr' already holds another run"), last
+    assert "Traceback" not in runs[1].stdout

@@ -196,7 +196,7 @@ def killed_pool_session() -> dict:
     """What ``POOL_SCRIPT`` saw, and when it was killed (SIGKILL: no atexit runs)."""
     session = subprocess.Popen(
         [sys.executable, "-c", POOL_SCRIPT], stdout=subprocess.PIPE, text=True,
-        cwd=REPO / "tests", env={**ENV, "PYTHONPATH": str(REPO)},
+        env={**ENV, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
     )  # fmt: skip
     try:
         seen = json.loads(session.stdout.readline())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO
+from launch import REPO, readme_commands
 
 DOCUMENTS = [
     REPO / "README.md",
@@ -114,10 +114,55 @@ def test_control_an_import_of_the_package_beyond_them_is_caught(tmp_path):
     }
 
 
-def test_no_source_file_is_over_about_500_lines():
+def source_files() -> list[Path]:
+    """trainer.py and every module of the package, losses/ and models/."""
     files = [REPO / "trainer.py"]
     for folder in ("contrastive_accelerate", "losses", "models"):
         files += sorted((REPO / folder).rglob("*.py"))
+    return files
+
+
+def parser_calls(path: Path) -> list[str]:
+    """The calls in ``path`` that parse a file's JSON or YAML: ``json.load``,
+    ``json.loads`` and every ``yaml.*load*``, however the module is named."""
+    tree = ast.parse(path.read_text())
+    aliases = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.Import) for alias in node.names}  # fmt: skip
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("json", "yaml"):
+            found += [f"from {node.module} import {alias.name}" for alias in node.names
+                      if "load" in alias.name]  # fmt: skip
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            module = aliases.get(owner.id) if isinstance(owner, ast.Name) else None
+            if (module, node.func.attr) in (("json", "load"), ("json", "loads")) or (
+                module == "yaml" and "load" in node.func.attr
+            ):
+                found.append(ast.unparse(node.func))
+    return found
+
+
+def test_every_json_and_yaml_file_is_read_by_the_one_safe_reader():
+    """Only ``contrastive_accelerate.untrusted`` parses a file's JSON or YAML, so every
+    failure (``RecursionError`` and ``MemoryError`` included) is one line."""
+    reader = REPO / "contrastive_accelerate" / "untrusted.py"
+    calls = {str(path.relative_to(REPO)): parser_calls(path) for path in source_files()}
+    assert calls.pop(str(reader.relative_to(REPO))), "the reader itself calls the parsers"
+    assert {name: found for name, found in calls.items() if found} == {}
+
+
+def test_control_a_parser_call_outside_the_reader_is_caught(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import json\nimport yaml as y\nfrom json import loads\n"
+        "json.loads(t)\ny.safe_load(t)\njson.dumps(v)\nother.load(f)\n"
+    )
+    assert parser_calls(planted) == ["from json import loads", "json.loads", "y.safe_load"]
+
+
+def test_no_source_file_is_over_about_500_lines():
+    files = source_files()
     sizes = {str(path.relative_to(REPO)): len(path.read_text().splitlines()) for path in files}
     print(f"largest: {max(sizes.items(), key=lambda item: item[1])}")
     assert {name: lines for name, lines in sizes.items() if lines > MAX_LINES} == {}
@@ -138,3 +183,14 @@ def test_the_wheel_ships_every_package_of_the_project():
     }
     assert {"contrastive_accelerate.data", "contrastive_accelerate.methods"} <= on_disk
     assert on_disk <= shipped, sorted(on_disk - shipped)
+
+
+def test_ci_runs_the_readmes_two_commands_in_order():
+    """``.ci/run`` runs the README's first command (its trainer flags may shorten it) and
+    then its second, as written: the order a user follows is the order CI checks."""
+    first, second = readme_commands()
+    lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+             if line.strip() and not line.startswith(("#", "set ", "cd "))]  # fmt: skip
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(first + " --"), (lines[0], first)
+    assert lines[1] == second

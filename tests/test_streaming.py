@@ -228,30 +228,46 @@ def test_a_resume_mid_stream_ends_where_the_straight_run_does(runs, tmp_path):
     assert error <= EXACT
 
 
-def test_the_streamed_run_logs_its_losses_and_refuses_what_it_cannot_honour(runs, shards):
+def test_the_streamed_run_logs_its_losses_and_refuses_what_it_cannot_honour(runs, shards, tmp_path):
     records = [json.loads(line) for line in (runs["tar"](1, "--num-workers", "0") /
                                              "metrics.jsonl").open()]  # fmt: skip
     losses = [record["loss"] for record in records if "loss" in record]
     assert len(losses) == 6 and all(loss > 0 for loss in losses)
     result = train_pooled(2, "--streaming", "--dataset", shards["jsonl"], "--streams", "1",
-                          "--text-model", "scratch", *TEXT, check=False)  # fmt: skip
+                          "--text-model", "scratch", *TEXT, "--output-dir", str(tmp_path),
+                          check=False)  # fmt: skip
     one_line_errors(result, "--streams 1 is fewer than the 2 processes", 2)
 
 
 # Bad rows: a one-line error naming the shard and member on every rank, or skipped.
 
 
+#: JSON nested deeper than any parser's stack: a RecursionError, were it not caught.
+DEEP_JSON = "[" * 200_000 + "]" * 200_000
+
+
 def write_bad_shards(root: Path, case: str) -> Path:
     """Text-pair or digit shards with one bad row in shard 1."""
-    if case == "malformed-json":
+    if case in ("malformed-json", "deep-json-line"):
         make_text_pair_shards(root, [6, 6, 6])
         path = root / "part-00001.jsonl"
         lines = path.read_text().splitlines()
-        lines[2] = lines[2][: len(lines[2]) // 2]
+        lines[2] = lines[2][: len(lines[2]) // 2] if case == "malformed-json" else DEEP_JSON
         path.write_text("\n".join(lines) + "\n")
         return root
     make_digit_tar_shards(root, [6, 6, 6])
     path = root / "shard-00001.tar"
+    if case == "deep-json-member":  # sample 000008 gains a json member nested 200,000 deep
+        with tarfile.open(path) as archive:
+            members = [(member, archive.extractfile(member).read()) for member in archive]
+        with tarfile.open(path, "w") as archive:
+            for member, data in members:
+                archive.addfile(member, io.BytesIO(data))
+                if member.name == "000008.txt":
+                    deep = tarfile.TarInfo("000008.json")
+                    deep.size = len(DEEP_JSON)
+                    archive.addfile(deep, io.BytesIO(DEEP_JSON.encode()))
+        return root
     if case == "truncated-tar":
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2 + 100])
@@ -266,6 +282,14 @@ def write_bad_shards(root: Path, case: str) -> Path:
 
 BAD_ROWS = {
     "malformed-json": ("part-00001.jsonl, line 3: malformed JSON", TEXT[:2]),
+    "deep-json-line": (
+        "part-00001.jsonl, line 3: malformed JSON (nested too deeply to read)",
+        TEXT[:2],
+    ),
+    "deep-json-member": (
+        "shard-00001.tar: member '000008.json' cannot be read (nested too deeply to read)",
+        IMAGE_TEXT[:2],
+    ),
     "truncated-tar": ("shard-00001.tar: truncated or malformed tar after", IMAGE_TEXT[:2]),
     "member-without-pair": ("shard-00001.tar, 999999: no column 'txt'", IMAGE_TEXT[:2]),
 }

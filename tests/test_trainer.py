@@ -288,7 +288,7 @@ def test_a_lone_cpu_process_under_accelerate_launch_uses_every_core_unless_told(
     command = launch_command(1, REPO / "trainer.py", "--model", "mlp", "--max-steps", "1",
                              "--knn-k", "0", "--num-workers", "0", "--output-dir",
                              str(tmp_path), launcher_flags=[])  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, cwd=REPO,
+    result = subprocess.run(command, capture_output=True, text=True, env=environment,
                             timeout=LAUNCH_TIMEOUT_S)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
