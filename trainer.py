@@ -88,8 +88,11 @@ def train(config: TrainConfig, accelerator: Accelerator | None = None) -> TrainR
         run.claim, config.resume_from, config.overwrite_output_dir, errors=(CheckpointError,)
     )
     prepared = prepared_count(accelerator)
+    # Signals are honoured from here to the last write: one that comes before the first
+    # step stops the run there, where nothing has been trained to lose.
     try:
-        return _train(config, accelerator, run, resume_path, own_accelerator)
+        with StopSignals() as signals:
+            return _train(config, accelerator, run, resume_path, own_accelerator, signals)
     finally:
         run.release()
         if own_accelerator:
@@ -105,6 +108,7 @@ def _train(
     run: RunDirectory,
     resume_path: str | None,
     own_accelerator: bool,
+    signals: StopSignals,
 ) -> TrainResult:
     """The run itself, top to bottom: data, method, optimizer, resume, loop, save."""
     # Data: the global batch and each sample's randomness depend on (seed, epoch, index).
@@ -192,98 +196,98 @@ def _train(
     started, started_step = time.perf_counter(), step
     last_checkpoint, saved_step, preempted, final = None, step, None, None
     skipped_samples = 0  # by this run, on all ranks (--skip-bad-images, --skip-bad-rows)
-    # Signals are honoured from the first step to the last write: a stop is agreed where
-    # the ranks meet (each step's start, the final save, each evaluation), and a
-    # checkpoint of that step is written before the exit.
-    with StopSignals() as signals:
-        # The bar ends its line before any error; the workers stop whatever ends the loop.
-        with progress, workers_stopped_on_exit(loader):
-            while step < total_steps and not preempted:
-                epoch, first_batch = divmod(step, steps_per_epoch)
-                sampler.set_epoch(epoch, first_batch)
-                for batch in loader:
-                    stop, skipped = _stop_requested(signals, batch, config)
-                    skipped_samples += skipped
-                    if stop:
-                        preempted = signals.requested or "a signal to another rank"
-                        if step != saved_step:
-                            last_checkpoint = save(step)
-                        break
-                    # Every rank's share, known from the sampler: the losses exchange nothing
-                    # (unless a rank skipped an image, or Accelerate shards: the control).
-                    known = not skipped and config.data_sharding != "accelerate"
-                    sizes = None
-                    if known:
-                        sizes = checks.known_sizes(sampler.share_sizes(step % steps_per_epoch))
-                    loss = cached_backward(
-                        model,
-                        batch.split(config.accumulation_chunks),
-                        partial(method.loss, batch=batch, sizes=sizes, step=step),
-                        forward=partial(method.embed, model, step=step),
-                        backward=accelerator.backward,
-                    )
-                    checks.record(step, loss)
-                    lr = learning_rate(step)
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
-                    method.before_optimizer_step(epoch)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    method.after_step(step)
-                    step += 1
-                    progress.update(1)
-
-                    if step % config.log_every == 0 or step == total_steps:
-                        checks.raise_if_any()
-                        trained = (step - started_step) * config.batch_size
-                        speed = trained / (time.perf_counter() - started)
-                        counts = sampler.steps_per_source(step) if config.mixed else {}
-                        if skipped_samples:
-                            counts["skipped_samples"] = skipped_samples
-                        metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed,
-                                        counts)  # fmt: skip
-                    if config.save_every and step % config.save_every == 0:
-                        last_checkpoint, saved_step = save(step), step
-                    if knn is not None and config.eval_every and step % config.eval_every == 0:
-                        if step < total_steps:
-                            _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
-                    if step == total_steps:
-                        break
-
-        # Save, then evaluate: a failing evaluation never loses the trained model, and a
-        # signal during either leaves a checkpoint of the last step to finish from.
-        # Under --fsdp the model stays sharded: every rank takes part in the final save
-        # (one tower whole at a time) and in each evaluation's forwards.
-        unwrapped = model if config.fsdp else accelerator.unwrap_model(model)
-        if not preempted:
-            if config.fsdp:
-                final = run.save_final(model, method.state_dict())
-            else:
-                final = on_main_process(
-                    run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
-                )
-            evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
-            if knn is not None:
-                evaluations[:0] = [
-                    lambda: {"knn_top1": _evaluate(accelerator, evaluated(), knn, config.knn_k,
-                                                   run, step)},
-                    lambda: _baselines_and_probe(accelerator, evaluated(), knn, config, run, step),
-                ]  # fmt: skip
-            for evaluate in evaluations:
-                if any_rank(signals.requested is not None)[0]:
+    # A stop is agreed where the ranks meet (each step's start, the final save, each
+    # evaluation), and a checkpoint of that step is written before the exit.
+    # The bar ends its line before any error; the workers stop whatever ends the loop.
+    with progress, workers_stopped_on_exit(loader):
+        while step < total_steps and not preempted:
+            epoch, first_batch = divmod(step, steps_per_epoch)
+            sampler.set_epoch(epoch, first_batch)
+            for batch in loader:
+                stop, skipped = _stop_requested(signals, batch, config)
+                skipped_samples += skipped
+                if stop:
                     preempted = signals.requested or "a signal to another rank"
                     if step != saved_step:
                         last_checkpoint = save(step)
                     break
-                metrics |= evaluate()
+                # Every rank's share, known from the sampler: the losses exchange nothing
+                # (unless a rank skipped an image, or Accelerate shards: the control).
+                known = not skipped and config.data_sharding != "accelerate"
+                sizes = None
+                if known:
+                    sizes = checks.known_sizes(sampler.share_sizes(step % steps_per_epoch))
+                loss = cached_backward(
+                    model,
+                    batch.split(config.accumulation_chunks),
+                    partial(method.loss, batch=batch, sizes=sizes, step=step),
+                    forward=partial(method.embed, model, step=step),
+                    backward=accelerator.backward,
+                )
+                checks.record(step, loss)
+                lr = learning_rate(step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                method.before_optimizer_step(epoch)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                method.after_step(step)
+                step += 1
+                progress.update(1)
+
+                if step % config.log_every == 0 or step == total_steps:
+                    checks.raise_if_any()
+                    trained = (step - started_step) * config.batch_size
+                    speed = trained / (time.perf_counter() - started)
+                    counts = sampler.steps_per_source(step) if config.mixed else {}
+                    if skipped_samples:
+                        counts["skipped_samples"] = skipped_samples
+                    metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed,
+                                    counts)  # fmt: skip
+                if config.save_every and step % config.save_every == 0:
+                    last_checkpoint, saved_step = save(step), step
+                if knn is not None and config.eval_every and step % config.eval_every == 0:
+                    if step < total_steps:
+                        _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
+                if step == total_steps:
+                    break
+
+    # Save, then evaluate: a failing evaluation never loses the trained model, and a
+    # signal during either leaves a checkpoint of the last step to finish from.
+    # Under --fsdp the model stays sharded: every rank takes part in the final save
+    # (one tower whole at a time) and in each evaluation's forwards.
+    unwrapped = model if config.fsdp else accelerator.unwrap_model(model)
+    if not preempted:
+        if config.fsdp:
+            final = run.save_final(model, method.state_dict())
+        else:
+            final = on_main_process(
+                run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
+            )
+        evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
+        if knn is not None:
+            evaluations[:0] = [
+                lambda: {"knn_top1": _evaluate(accelerator, evaluated(), knn, config.knn_k,
+                                               run, step)},
+                lambda: _baselines_and_probe(accelerator, evaluated(), knn, config, run, step),
+            ]  # fmt: skip
+        for evaluate in evaluations:
+            if any_rank(signals.requested is not None)[0]:
+                preempted = signals.requested or "a signal to another rank"
+                if step != saved_step:
+                    last_checkpoint = save(step)
+                break
+            metrics |= evaluate()
 
     if preempted:
         trained = f" ({final} holds the trained model, not yet evaluated)" if final else ""
-        accelerator.print(
-            f"stopped by {preempted} at step {step}{trained}: checkpoint "
-            f"{last_checkpoint or 'of this step already saved'}; continue with "
-            "--resume-from latest"
-        )
+        if last_checkpoint is None and step == started_step:  # before this run's first step
+            latest = f"{resume_path} is still the latest" if resume_path else "none written"
+            where = f"before step {step + 1}, nothing trained: checkpoint {latest}"
+        else:
+            where = f"at step {step}{trained}: checkpoint "
+            where += last_checkpoint or "of this step already saved"
+        accelerator.print(f"stopped by {preempted} {where}; continue with --resume-from latest")
         return TrainResult(unwrapped, metrics, step, final, last_checkpoint, preempted)
     if accelerator.is_main_process:
         print(_summary(metrics, config.knn_k, final, knn), flush=True)

@@ -185,6 +185,25 @@ def test_exit_code_after_a_signal_and_a_second_signal_stops_at_once(tmp_path):
     assert "again" not in stderr
 
 
+def test_a_signal_before_the_first_step_stops_there_saying_nothing_was_trained(tmp_path):
+    """Signals are honoured from the moment the run owns its directory: a SIGTERM while
+    the data, the model and the first batch are being made (about half a second here,
+    from the run's first record in metrics.jsonl) exits with 75, writes no checkpoint,
+    and says so, where the process used to die of the signal."""
+    output = tmp_path / "run"
+    job = _direct(*MLP, "--max-steps", "100", "--output-dir", str(output))
+    metrics = output / "metrics.jsonl"
+    wait_until(lambda: metrics.exists() and "start_step" in metrics.read_text(), interval=0.01)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert job.returncode == EXIT_PREEMPTED, stderr[-2000:]
+    assert (
+        "stopped by SIGTERM before step 1, nothing trained: checkpoint none written; "
+        "continue with --resume-from latest"
+    ) in stdout, stdout
+    assert complete_checkpoints(str(output)) == [] and not (output / "final").exists()
+
+
 def test_a_signal_during_the_final_evaluation_keeps_the_model_and_the_run_finishes_later(tmp_path):
     """The model is saved before the evaluation (which may fail, or be stopped): a SIGTERM
     once final/ exists, while the kNN and linear probes run on the 1,797 digits (seconds),
