@@ -24,6 +24,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from contrastive_accelerate.checkpoint import CheckpointError, RunState, resume
+from contrastive_accelerate.checkpoint_shards import ShardError
 from contrastive_accelerate.compat import forget_prepared, prepared_count
 from contrastive_accelerate.config import parse_args, resume_rules
 from contrastive_accelerate.data import (
@@ -353,16 +354,23 @@ def _save(accelerator, run, model, optimizer, method, state, checks, step: int) 
 
 def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -> int:
     """Load the checkpoint at ``path``; returns its step. A changed option that shapes the
-    optimisation is applied and said (``resume="apply"``) or refused (``"refuse"``)."""
-    checkpoint, changed = resume(
-        path,
-        accelerator.unwrap_model(model),
-        optimizer,
-        state,
-        resume_rules(TrainConfig),
-        resolve=lambda saved: dataclasses.asdict(TrainConfig.from_saved(saved).resolved()),
-    )
-    method.load_state_dict(checkpoint.method_state)
+    optimisation is applied and said (``resume="apply"``) or refused (``"refuse"``).
+    A sharded checkpoint is checked where each rank reads its rows: a refusal on any
+    rank is raised on every rank."""
+    problem = None
+    try:
+        checkpoint, changed = resume(
+            path,
+            accelerator.unwrap_model(model),
+            optimizer,
+            state,
+            resume_rules(TrainConfig),
+            resolve=lambda saved: dataclasses.asdict(TrainConfig.from_saved(saved).resolved()),
+        )
+        method.load_state_dict(checkpoint.method_state)
+    except (CheckpointError, ShardError) as error:
+        problem = error
+    raise_together(problem)
     for entry in changed:
         accelerator.print(f"resume: applying {entry}")
     accelerator.print(f"resumed from {path} at step {checkpoint.step}")

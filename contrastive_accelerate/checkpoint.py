@@ -24,6 +24,7 @@ one is never picked by ``latest_checkpoint``.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -40,6 +41,9 @@ from contrastive_accelerate import checkpoint_shards as shards
 from contrastive_accelerate.collectives import rank_and_world_size
 from contrastive_accelerate.config import flag
 from contrastive_accelerate.durable_files import (
+    NON_FINITE_ADVICE,
+    NonFiniteTensor,
+    check_finite,
     error_reason,
     fsync_directory,
     write_json,
@@ -143,7 +147,7 @@ def save_checkpoint(
         write_tensors(os.path.join(partial, MODEL_FILE), trained_state(model))
         write_tensors(os.path.join(partial, OPTIMIZER_FILE), optimizer_tensors)
         _commit(output_dir, step, partial, state, optimizer_values, method_state)
-    except (OSError, SafetensorError) as error:
+    except (OSError, SafetensorError, NonFiniteTensor) as error:
         _abandon(output_dir, final, partial, error)
     return final
 
@@ -190,7 +194,7 @@ def save_sharded_checkpoint(
             local, layouts[part] = shards.split_local(tensors, rank)
             name = shards.shard_file(part, rank, world_size)
             written[name] = write_tensors(os.path.join(partial, name), local)
-    except (OSError, SafetensorError) as error:
+    except (OSError, SafetensorError, NonFiniteTensor) as error:
         problem = error
     files = agree(problem, written)
     if rank == 0:
@@ -198,7 +202,7 @@ def save_sharded_checkpoint(
             document = shards.layout_document(world_size, files, layouts)
             write_json(os.path.join(partial, shards.SHARDS_FILE), document)
             _commit(output_dir, step, partial, state, optimizer_values, method_state=None)
-        except (OSError, SafetensorError) as error:
+        except (OSError, SafetensorError, NonFiniteTensor) as error:
             problem = error
     agree(problem)
     return final
@@ -266,11 +270,12 @@ def load_checkpoint(path: str) -> Checkpoint:
     state = _read_state(path)
     if shards.is_sharded_checkpoint(path):  # read lazily: each rank reads the rows it needs
         try:
-            world_size, layouts = shards.read_layout(path)
+            world_size, digests, layouts = shards.read_layout(path)
         except shards.ShardError as error:
             raise CheckpointError(f"{path!r}: {error}") from None
         model_state, optimizer_tensors, method_state = (
-            shards.ShardedTensors(path, part, world_size, layouts[part]) for part in shards.PARTS
+            shards.ShardedTensors(path, part, world_size, layouts[part], digests)
+            for part in shards.PARTS
         )
     else:
         model_state = _read_tensors(path, MODEL_FILE)
@@ -335,11 +340,16 @@ def _read_state(path: str) -> dict[str, Any]:
 
 def _read_tensors(path: str, name: str) -> dict[str, torch.Tensor]:
     try:
-        return load_file(os.path.join(path, name))
+        tensors = load_file(os.path.join(path, name))
+        for key, tensor in tensors.items():
+            check_finite(key, tensor)
+    except NonFiniteTensor as error:
+        raise CheckpointError(f"{path!r}: {name}: {error} {NON_FINITE_ADVICE}") from None
     except (OSError, SafetensorError) as error:
         raise CheckpointError(
             f"{path!r}: corrupt checkpoint: {name}: {error_reason(error)}"
         ) from None
+    return tensors
 
 
 def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -414,6 +424,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: Checkpoin
         for name, value in entries.items():
             if not isinstance(value, bool | int | float | type(None)):
                 raise CheckpointError(f"{checkpoint.path!r}: malformed optimizer value {name!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise CheckpointError(
+                    f"{checkpoint.path!r}: optimizer value {name!r} is {value} {NON_FINITE_ADVICE}"
+                )
             state.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 

@@ -33,6 +33,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
+from contrastive_accelerate.durable_files import (
+    NON_FINITE_ADVICE,
+    NonFiniteTensor,
+    check_finite,
+    content_digest,
+)
 from contrastive_accelerate.sharding import local_rows, shard_rows
 from contrastive_accelerate.untrusted import read_json
 
@@ -79,9 +85,10 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.exists(os.path.join(path, SHARDS_FILE))
 
 
-def read_layout(path: str) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
+def read_layout(path: str) -> tuple[int, dict[str, str], dict[str, dict[str, dict[str, Any]]]]:
     """Check the shards of the checkpoint at ``path`` against its ``shards.json``; returns
-    the number of ranks that wrote it and each part's layout. Raises ``ShardError``."""
+    the number of ranks that wrote it, each shard file's content digest and each part's
+    layout. Raises ``ShardError``."""
     try:
         layout = read_json(os.path.join(path, SHARDS_FILE))
     except (OSError, ValueError) as error:
@@ -131,7 +138,7 @@ def read_layout(path: str) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
         for name, entry in tensors[part].items():
             if not _valid_entry(entry, world_size):
                 raise ShardError(f"malformed {SHARDS_FILE} entry for {part} tensor {name!r}")
-    return world_size, tensors
+    return world_size, files, tensors
 
 
 def _valid_entry(entry: Any, world_size: int) -> bool:
@@ -149,13 +156,26 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
     """One part (model, optimizer or method) of a sharded checkpoint, read lazily:
     ``[name]`` reads a tensor whole, ``rows(name, start, stop)`` only rows of it (from
     the shards that hold them); ``under(prefix)`` the tensors named ``prefix...``, as a
-    ``ShardedTensors`` without the prefix (the method state's ``teacher.``)."""
+    ``ShardedTensors`` without the prefix (the method state's ``teacher.``).
+
+    A shard's content digest is recomputed from its tensors the first time this rank
+    reads from it and compared with ``digests`` (``shards.json``'s): a shard whose bytes
+    were changed after the save is refused, not only one of another checkpoint. Each
+    rank hashes only the shards it reads (its own rows and rank 0's whole tensors)."""
 
     def __init__(
-        self, path: str, part: str, world_size: int, layout: dict, prefix: str = ""
+        self,
+        path: str,
+        part: str,
+        world_size: int,
+        layout: dict,
+        digests: dict[str, str],
+        prefix: str = "",
+        verified: set[str] | None = None,
     ) -> None:
         self.path, self.part, self.world_size, self.layout = path, part, world_size, layout
-        self.prefix = prefix
+        self.digests, self.prefix = digests, prefix
+        self._verified = set() if verified is None else verified  # shared with under()
 
     def under(self, prefix: str) -> ShardedTensors:
         layout = {
@@ -163,7 +183,8 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
             for name, entry in self.layout.items()
             if name.startswith(prefix)
         }
-        return ShardedTensors(self.path, self.part, self.world_size, layout, self.prefix + prefix)
+        return ShardedTensors(self.path, self.part, self.world_size, layout, self.digests,
+                              self.prefix + prefix, self._verified)  # fmt: skip
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.rows(name, 0, self.shape(name)[0] if self.shape(name) else None)
@@ -193,9 +214,17 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
         return torch.cat(pieces)
 
     def _open(self, rank: int):
-        return safe_open(
-            os.path.join(self.path, shard_file(self.part, rank, self.world_size)), framework="pt"
-        )
+        file = shard_file(self.part, rank, self.world_size)
+        if file not in self._verified:
+            with safe_open(os.path.join(self.path, file), framework="pt") as shard:
+                digest = content_digest({name: shard.get_tensor(name) for name in shard.keys()})
+            if digest != self.digests[file]:
+                raise ShardError(
+                    f"shard {file} was changed after it was saved (its content digest is "
+                    f"{digest[:12]}, {SHARDS_FILE} lists {self.digests[file][:12]})"
+                )
+            self._verified.add(file)
+        return safe_open(os.path.join(self.path, file), framework="pt")
 
     def _read(self, rank: int, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         entry, file = self.layout[name], shard_file(self.part, rank, self.world_size)
@@ -213,9 +242,12 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
                     f"{file}: {self.part} tensor {name!r} has shape {stored.get_shape()}, "
                     f"the layout says {expected}"
                 )
-            if rows is None:
-                return shard.get_tensor(name)
-            return stored[rows[0] : rows[1]]
+            tensor = shard.get_tensor(name) if rows is None else stored[rows[0] : rows[1]]
+        try:
+            check_finite(name, tensor)  # the rows this rank reads, each read once
+        except NonFiniteTensor as error:
+            raise ShardError(f"{file}: {self.part} {error} {NON_FINITE_ADVICE}") from None
+        return tensor
 
 
 def stored_under(tensors: Mapping[str, torch.Tensor], prefix: str) -> Mapping[str, torch.Tensor]:

@@ -28,11 +28,37 @@ def content_digest(tensors: Mapping[str, torch.Tensor], values: Any = None) -> s
     return digest.hexdigest()
 
 
+class NonFiniteTensor(ValueError):
+    """A tensor to be saved, or read from a file, holds a NaN or an infinity."""
+
+
+#: What a non-finite value read from a checkpoint means to the user who resumes it.
+NON_FINITE_ADVICE = "(a diverged or damaged run): resume from an earlier checkpoint"
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``NonFiniteTensor`` naming ``name`` if the floating-point ``tensor`` holds a
+    NaN or an infinity. A model that a non-finite value reached trains on NaN from then
+    on, so no such state is written or loaded."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    # One reduction pass, nothing the size of the tensor allocated: the extremes are
+    # finite exactly when every value is (a NaN propagates into both); about 3x faster
+    # on CPU than isfinite(tensor).all() (benchmarks/integrity.py).
+    if not all(torch.isfinite(extreme) for extreme in torch.aminmax(tensor)):
+        raise NonFiniteTensor(f"tensor {name!r} holds a NaN or an infinity")
+
+
 def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
     """Write ``tensors``, flushed to disk, with their content digest in the file's
-    metadata; returns the digest."""
+    metadata; returns the digest. A non-finite tensor raises ``NonFiniteTensor`` before
+    anything is written."""
     # Copies: safetensors refuses tensors that share memory or are not contiguous.
     copies = {name: t.detach().cpu().contiguous().clone() for name, t in tensors.items()}
+    for name, tensor in copies.items():
+        check_finite(name, tensor)
     digest = content_digest(copies)
     save_file(copies, path, metadata={"digest": digest})
     fsync_file(path)
@@ -56,7 +82,7 @@ def write_tensors_in_turn(
     ``specs`` (each name's dtype and shape, in the order the data follows), then each of
     ``tensors`` as it comes, so that the writer never holds more than one of them (a
     sharded model's weights, each gathered in turn). Raises ``ValueError`` when a tensor
-    does not match its spec."""
+    does not match its spec, or holds a NaN or an infinity (``NonFiniteTensor``)."""
     header, offset = {}, 0
     for name, (dtype, shape) in specs.items():
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -71,6 +97,7 @@ def write_tensors_in_turn(
             if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
                 raise ValueError(f"tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
                                  f"not {dtype} {tuple(shape)}")  # fmt: skip
+            check_finite(name, tensor)
             file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         file.flush()
         os.fsync(file.fileno())

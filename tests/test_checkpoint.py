@@ -22,6 +22,7 @@ from contrastive_accelerate.checkpoint import (
     load_optimizer_state,
     save_checkpoint,
 )
+from contrastive_accelerate.durable_files import NonFiniteTensor, check_finite
 from contrastive_accelerate.run_directory import RunDirectory
 
 
@@ -101,6 +102,46 @@ def test_a_pickle_in_any_file_is_refused_and_never_run(tmp_path, victim, contain
     with pytest.raises(CheckpointError, match="corrupt checkpoint|incomplete checkpoint"):
         load_checkpoint(path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_state_is_never_written_and_latest_stays(tmp_path, where, value):
+    """A save of a state holding a NaN or an infinity writes nothing: the error names the
+    tensor and the last complete checkpoint, which ``latest`` still names."""
+    model, optimizer = _trained("adamw")
+    good = _save(tmp_path, model, optimizer, step=3)
+    with torch.no_grad():
+        if where == "model":
+            model[0].weight[1, 2] = value
+        else:
+            optimizer.state[model[0].bias]["exp_avg"][0] = value
+    with pytest.raises(CheckpointError) as refused:
+        _save(tmp_path, model, optimizer, step=4)
+    tensor = "0.weight" if where == "model" else "state.1.exp_avg"
+    assert f"tensor {tensor!r} holds a NaN or an infinity" in str(refused.value)
+    assert f"the last complete checkpoint is {good}" in str(refused.value)
+    assert latest_checkpoint(str(tmp_path)) == good
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3"]  # no partial left either
+
+
+def test_a_non_finite_value_in_a_checkpoint_is_refused_at_load_naming_it(tmp_path):
+    """A checkpoint made elsewhere (or damaged) with a NaN in its weights, its BatchNorm
+    statistics or its optimizer state is refused before anything is loaded; the same
+    checkpoint without the planted value loads (the control)."""
+    from safetensors.torch import load_file, save_file
+
+    model, optimizer = _trained("adamw")
+    path = _save(tmp_path, model, optimizer)
+    load_checkpoint(path)  # the control: the untouched checkpoint loads
+    for name, tensor in (("model.safetensors", "1.running_var"),
+                         ("optimizer.safetensors", "state.0.exp_avg_sq")):  # fmt: skip
+        planted = shutil.copytree(path, tmp_path / f"planted-{name}")
+        tensors = load_file(planted / name)
+        tensors[tensor].view(-1)[0] = float("nan")
+        save_file(tensors, planted / name)
+        with pytest.raises(CheckpointError, match=rf"{name}: tensor {tensor!r} holds a NaN"):
+            load_checkpoint(str(planted))
 
 
 def test_strict_loading_names_the_mismatch(tmp_path):
@@ -193,3 +234,21 @@ def test_retention_keeps_the_newest(tmp_path):
         _save(tmp_path, model, optimizer, step=step)
     RunDirectory(str(tmp_path)).prune(2)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-3"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                                   torch.complex64])  # fmt: skip
+@pytest.mark.parametrize("planted", [float("nan"), float("inf"), float("-inf"), None])
+def test_the_finiteness_check_finds_every_non_finite_value_in_every_dtype(dtype, planted):
+    """The check reads two extremes (``aminmax``): each kind of value is found wherever it
+    sits, an unplanted tensor passes (the control), and integer or empty tensors too."""
+    for position in (0, 17, 99):
+        tensor = torch.linspace(-3, 3, 100).to(dtype)
+        if planted is not None:
+            tensor[position] = planted
+            with pytest.raises(NonFiniteTensor, match="tensor 'w' holds a NaN or an infinity"):
+                check_finite("w", tensor)
+        else:
+            check_finite("w", tensor)
+    check_finite("steps", torch.arange(5))
+    check_finite("empty", torch.empty(0, dtype=dtype))

@@ -101,13 +101,23 @@ def test_resume_never_unpickles(tmp_path, base_run):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file"])
+@pytest.mark.parametrize("damage", ["truncated_weights", "no_state_file", "nan_in_optimizer"])
 def test_a_damaged_checkpoint_is_one_line_on_every_rank(tmp_path, base_run, damage):
+    """Each refused before a step is trained; a NaN in the optimizer state used to be
+    trained on and saved into the next checkpoint, which ``latest`` then named."""
     checkpoint = _copy_checkpoint(base_run, tmp_path / "damaged")
     if damage == "truncated_weights":
         weights = checkpoint / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
         expected = "corrupt checkpoint"
+    elif damage == "nan_in_optimizer":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(checkpoint / "optimizer.safetensors")
+        name = sorted(tensors)[0]
+        tensors[name].view(-1)[0] = float("nan")
+        save_file(tensors, checkpoint / "optimizer.safetensors")
+        expected = f"optimizer.safetensors: tensor {name!r} holds a NaN or an infinity"
     else:
         (checkpoint / "trainer_state.json").unlink()
         expected = "incomplete checkpoint"
@@ -126,6 +136,7 @@ def test_a_damaged_checkpoint_is_one_line_on_every_rank(tmp_path, base_run, dama
     )
     one_line_errors(result, expected, 2)
     assert not (tmp_path / "again" / "final").exists()
+    assert latest_checkpoint(str(tmp_path / "again")) is None
 
 
 # Preemption: SIGTERM to the whole job, as a scheduler sends it.

@@ -25,6 +25,7 @@ import torch
 
 from contrastive_accelerate.checkpoint import CheckpointError, load_checkpoint
 from contrastive_accelerate.checkpoint_shards import SHARDS_FORMAT, ShardError, read_layout
+from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.workers import run_on_ranks
 
 from launch import TrainerRuns, final_files_difference, one_chunk, one_line_errors, train_pooled
@@ -210,10 +211,43 @@ def test_a_sharded_checkpoint_loads_lazily_and_whole(sharded_checkpoints):
         assert tuple(tensor.shape) == tuple(checkpoint.model_state.shape(name))
 
 
-@pytest.mark.parametrize("spoil", ["missing", "extra", "other-step", "other-run"])
+def _rewrite_shard(path: Path, value: float, digest: str | None = None) -> None:
+    """Overwrite the first number of the shard's first floating-point tensor with
+    ``value``, keeping the digest in its header (a tampered shard) or writing ``digest``
+    into the header and ``shards.json`` (a consistent checkpoint that holds the value)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as shard:
+        metadata = dict(shard.metadata())
+    tensors = load_file(path)
+    name = next(n for n in sorted(tensors) if tensors[n].is_floating_point() and tensors[n].numel())
+    tensors[name].view(-1)[0] = value
+    if digest is not None:
+        metadata["digest"] = digest = content_digest(tensors)
+        layout = json.loads((path.parent / "shards.json").read_text())
+        layout["files"][path.name] = digest
+        (path.parent / "shards.json").write_text(json.dumps(layout))
+    save_file(tensors, path, metadata=metadata)
+
+
+def _read_whole(path: Path) -> None:
+    """Load the checkpoint and read every tensor of it, as a resume on one rank does."""
+    checkpoint = load_checkpoint(str(path))
+    for part in (checkpoint.model_state, checkpoint.optimizer_tensors, checkpoint.method_state):
+        for name in part:
+            part[name]
+
+
+@pytest.mark.parametrize(
+    "spoil", ["missing", "extra", "other-step", "other-run", "tampered", "non-finite"]
+)
 def test_a_spoiled_sharded_checkpoint_is_refused_in_one_line(sharded_checkpoints, tmp_path, spoil):
+    """Each refused before a weight is loaded: the last two, whose headers are intact, when
+    the rank first reads the shard (its content hashed, its tensors checked finite)."""
     two, four = sharded_checkpoints
     target = _spoiled(four, tmp_path)
+    _read_whole(target)  # the control: the unspoiled copy reads whole
     if spoil == "missing":
         os.remove(target / "optimizer-00001-of-00002.safetensors")
         expected = "shard optimizer-00001-of-00002.safetensors is missing"
@@ -224,24 +258,38 @@ def test_a_spoiled_sharded_checkpoint_is_refused_in_one_line(sharded_checkpoints
     elif spoil == "other-step":
         shutil.copy(two / "model-00001-of-00002.safetensors", target)
         expected = "shard model-00001-of-00002.safetensors belongs to another checkpoint"
-    else:  # another run's shard: the same step, other weights
+    elif spoil == "other-run":  # another run's shard: the same step, other weights
         shutil.copy(two / "model-00000-of-00002.safetensors",
                     target / "model-00000-of-00002.safetensors")  # fmt: skip
         expected = "shard model-00000-of-00002.safetensors belongs to another checkpoint"
-    with pytest.raises(CheckpointError) as error:
-        load_checkpoint(str(target))
+    elif spoil == "tampered":  # bytes changed in place, the header's digest kept
+        _rewrite_shard(target / "model-00001-of-00002.safetensors", 0.5)
+        expected = "shard model-00001-of-00002.safetensors was changed after it was saved"
+    else:
+        _rewrite_shard(target / "optimizer-00000-of-00002.safetensors", float("nan"), digest="")
+        expected = "holds a NaN or an infinity (a diverged or damaged run)"
+    with pytest.raises((CheckpointError, ShardError)) as error:
+        _read_whole(target)
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("spoil", ["other-step", "tampered"])
 def test_a_shard_of_another_step_is_refused_on_every_rank(image_text, sharded_checkpoints,
-                                                           tmp_path):  # fmt: skip
+                                                           tmp_path, spoil):  # fmt: skip
+    """A shard changed after the save resumed silently before its content was hashed
+    (final loss 2.2669 against the straight run's 2.3235)."""
     two, four = sharded_checkpoints
     target = _spoiled(four, tmp_path / "run")
-    shutil.copy(two / "optimizer-00000-of-00002.safetensors", target)
+    if spoil == "tampered":  # rank 1's own rows: the rank that reads them refuses
+        _rewrite_shard(target / "model-00001-of-00002.safetensors", 0.5)
+        expected = "was changed after it was saved"
+    else:
+        shutil.copy(two / "optimizer-00000-of-00002.safetensors", target)
+        expected = "belongs to another checkpoint"
     result = train_pooled(2, *IMAGE_TEXT, *_image_text_data(image_text), "--model", "mlp",
                           "--dropout", "0.1", "--fsdp", "--resume-from", str(target),
                           "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
-    one_line_errors(result, "belongs to another checkpoint", 2)
+    one_line_errors(result, expected, 2)
 
 
 class _Payload:
