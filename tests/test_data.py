@@ -374,3 +374,41 @@ def test_an_error_quotes_a_short_preview_of_a_value_never_the_value():
     assert len(problem) < 200
     assert preview("a caption") == "'a caption'"  # short values whole
     assert len(preview(list(range(10**6)))) < PREVIEW_CHARS + 40
+
+
+@pytest.mark.parametrize("crafted", ["data file", "split", "symlinked data file", "nested too deeply"])
+def test_a_save_to_disk_folder_naming_files_outside_it_is_refused_before_opening(tmp_path, crafted):
+    """``datasets`` joins the names in ``state.json`` and ``dataset_dict.json`` to the
+    folder as they are: a crafted name opened a file outside it. Each is refused in one
+    line naming the file; the untouched folders load (the control)."""
+    import datasets
+
+    outside = tmp_path / "outside.arrow"
+    outside.write_bytes(b"secret")
+    dataset = small_labelled_dataset(4)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": dataset}).save_to_disk(str(tmp_path / "saved_dict"))
+    for folder in ("saved", "saved_dict"):
+        assert len(load_image_dataset(str(tmp_path / folder), evaluate=False).train) == 4
+    state = tmp_path / "saved" / "state.json"
+    target = tmp_path / "saved"
+    if crafted == "data file":
+        value = json.loads(state.read_text())
+        value["_data_files"] = [{"filename": "../outside.arrow"}]
+        state.write_text(json.dumps(value))
+        expected = f"{state}: data file '../outside.arrow' is outside"
+    elif crafted == "split":
+        dict_file = tmp_path / "saved_dict" / "dataset_dict.json"
+        dict_file.write_text(json.dumps({"splits": ["../saved_elsewhere"]}))
+        target, expected = tmp_path / "saved_dict", "split '../saved_elsewhere' is outside"
+    elif crafted == "symlinked data file":
+        arrow = json.loads(state.read_text())["_data_files"][0]["filename"]
+        (target / arrow).unlink()
+        (target / arrow).symlink_to(outside)
+        expected = f"data file {arrow!r} is outside"
+    else:
+        state.write_text("[" * 100_000)
+        expected = f"cannot read {state}: nested too deeply to read"
+    with pytest.raises(DataError) as refused:
+        load_image_dataset(str(target), evaluate=False)
+    assert expected in str(refused.value) and "\n" not in str(refused.value)

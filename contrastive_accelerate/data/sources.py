@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from contrastive_accelerate.hub import unreachable_reason
+from contrastive_accelerate.untrusted import preview, read_json
 
 IMAGE_COLUMNS = ("image", "img", "pixel_values")
 LABEL_COLUMNS = ("label", "labels", "fine_label")
@@ -152,6 +153,7 @@ def load_splits(name: str | None, config_name: str | None):
         ):
             if config_name:
                 raise DataError("--dataset-config does not apply to a save_to_disk directory")
+            check_saved_dataset(name)
             dataset = datasets.load_from_disk(name)
         elif os.path.isfile(name):
             if suffix not in DATA_FILE_BUILDERS:
@@ -170,6 +172,51 @@ def load_splits(name: str | None, config_name: str | None):
     if isinstance(dataset, datasets.Dataset):
         return {"train": dataset}
     return dict(dataset)
+
+
+def check_saved_dataset(folder: str) -> None:
+    """Refuse a ``save_to_disk`` folder whose JSON names a file or a split outside it,
+    before ``datasets`` opens anything: its ``state.json`` lists the Arrow files by name
+    and ``dataset_dict.json`` the split folders, and ``datasets`` joins them to the folder
+    as they are (a crafted ``../../etc/passwd`` was opened)."""
+    dict_file = os.path.join(folder, "dataset_dict.json")
+    if not os.path.exists(dict_file):
+        _check_saved_split(folder)
+        return
+    splits = _read_saved_json(dict_file).get("splits")
+    if not isinstance(splits, list) or not all(isinstance(split, str) for split in splits):
+        raise DataError(f"{dict_file}: malformed (no list of split names)")
+    for split in splits:
+        if not _inside(folder, split):
+            raise DataError(f"{dict_file}: split {preview(split)} is outside {folder!r}")
+        _check_saved_split(os.path.join(folder, split))
+
+
+def _check_saved_split(folder: str) -> None:
+    state_file = os.path.join(folder, "state.json")
+    files = _read_saved_json(state_file).get("_data_files")
+    if not isinstance(files, list) or not all(isinstance(entry, dict) for entry in files):
+        raise DataError(f"{state_file}: malformed (no list of data files)")
+    for entry in files:
+        filename = entry.get("filename")
+        if not isinstance(filename, str) or not _inside(folder, filename):
+            raise DataError(f"{state_file}: data file {preview(filename)} is outside {folder!r}")
+
+
+def _read_saved_json(path: str) -> dict:
+    try:
+        value = read_json(path)
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot read {path}: {first_line(error)}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: malformed (not a JSON object)")
+    return value
+
+
+def _inside(folder: str, name: str) -> bool:
+    """Whether ``folder/name`` is a path inside ``folder``, symbolic links resolved."""
+    root = os.path.realpath(folder)
+    return os.path.realpath(os.path.join(folder, name)).startswith(root + os.sep)
 
 
 def _undecoded(dataset, image_column: str, name: str | None):
