@@ -150,6 +150,13 @@ def final_checkpoint(output: Path) -> str:
     return str(max(found, key=lambda path: (path.stat().st_mtime, path.suffix == ".safetensors")))
 
 
+def most_processes() -> int:
+    """The most CPU processes one launch may start: 4 per core. More than that on one
+    machine is a typo (``--processes 1,20000``), not a test: each process holds its own
+    copy of the model and the data."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def _processes(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",")]
@@ -158,6 +165,11 @@ def _processes(text: str) -> list[int]:
     if len(counts) < 2 or min(counts) < 1 or len(set(counts)) < len(counts):
         raise argparse.ArgumentTypeError(
             f"expected two or more different counts like 1,2, got {text!r}"
+        )
+    if max(counts) > most_processes():
+        raise argparse.ArgumentTypeError(
+            f"at most {most_processes()} processes (4 per core of this machine's "
+            f"{os.cpu_count()}), got {max(counts)}"
         )
     return counts
 

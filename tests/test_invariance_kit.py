@@ -310,8 +310,12 @@ def test_invariance_check_without_a_checkpoint_is_exit_2_with_one_line(tmp_path)
         (["--atol", "nan"], "expected a finite number >= 0, got 'nan'"),
         (["--processes", "1,1"], "two or more different counts like 1,2, got '1,1'"),
         (["--timeout", "-1"], "expected a finite number of seconds > 0, got '-1'"),
+        (
+            ["--processes", f"1,{invariance_check.most_processes() + 1}"],
+            f"at most {invariance_check.most_processes()} processes (4 per core",
+        ),
     ],
-    ids=["negative-atol", "nan-atol", "equal-counts", "negative-timeout"],
+    ids=["negative-atol", "nan-atol", "equal-counts", "negative-timeout", "too-many-processes"],
 )
 def test_invariance_check_refuses_bad_options_in_one_line(capfd, argv, message):
     with pytest.raises(SystemExit) as exit_info:
