@@ -272,6 +272,9 @@ def write_bad_shards(root: Path, case: str) -> Path:
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2 + 100])
         return root
+    if case == "garbage-tar":  # no tar at all: named as such, not "after None"
+        path.write_bytes(bytes(range(256)) * 40)
+        return root
     with tarfile.open(path, "a") as archive:  # an image whose caption is missing
         member = tarfile.TarInfo("999999.png")
         png = io.BytesIO(b"\x89PNG not really")
@@ -291,6 +294,10 @@ BAD_ROWS = {
         IMAGE_TEXT[:2],
     ),
     "truncated-tar": ("shard-00001.tar: truncated or malformed tar after", IMAGE_TEXT[:2]),
+    "garbage-tar": (
+        "shard-00001.tar: not a tar archive, or cut before its first member",
+        IMAGE_TEXT[:2],
+    ),
     "member-without-pair": ("shard-00001.tar, 999999: no column 'txt'", IMAGE_TEXT[:2]),
 }
 
@@ -315,3 +322,43 @@ def test_a_bad_row_is_one_line_on_every_rank_or_skipped_and_said(case, processes
     counted = [record["skipped_samples"] for record in records if "skipped_samples" in record]
     assert counted[-1] == len(warnings)  # said by the rank that drew it, counted on all
     print(f"{case}, {processes} process(es): {len(warnings)} row(s) skipped, said and counted")
+
+
+def test_tar_members_are_named_and_decoded_as_webdataset_does(tmp_path):
+    """webdataset's rules on shards its own TarWriter wrote: a sample's key ends at the
+    first dot of the member's name, the column is the rest (lower-cased), and the last
+    extension decides the type. ``seg.png`` is an image, ``b.txt`` and the ``y.txt`` of
+    a key ``x.y`` are texts (they were raw bytes here, so such a column could not train).
+    Every column of every sample is compared with ``WebDataset(...).decode("pil")``."""
+    import numpy as np
+    import webdataset
+    from PIL import Image
+
+    from contrastive_accelerate.data.streams import read_shard
+
+    def png(seed: int) -> bytes:
+        pixels = np.random.default_rng(seed).integers(0, 256, (6, 6, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="png")
+        return buffer.getvalue()
+
+    path = str(tmp_path / "shard-00000.tar")
+    with webdataset.TarWriter(path) as writer:
+        writer.write({"__key__": "a", "jpg": png(0), "seg.png": png(1), "txt": "a digit",
+                      "b.txt": "a second caption", "meta.json": {"k": [1, 2]}, "cls": 3,
+                      "mask.cls2": 7})  # fmt: skip
+        writer.write({"__key__": "x.y", "txt": "the key has a dot", "PNG": png(2)})
+        writer.write({"__key__": "sub/c", "Caption.TXT": "upper case", "inx": 4})
+    ours = list(read_shard(path, "tar"))
+    theirs = list(webdataset.WebDataset(path, shardshuffle=False).decode("pil"))
+    assert len(ours) == len(theirs) == 3
+    for row, sample in zip(ours, theirs, strict=True):
+        columns = {key: value for key, value in sample.items() if not key.startswith("__")}
+        assert set(columns) <= set(row), (sorted(columns), sorted(row))
+        for column, value in columns.items():
+            if isinstance(value, Image.Image):  # ours stays bytes until the sample is used
+                decoded = Image.open(io.BytesIO(row[column]["bytes"])).convert("RGB")
+                assert np.array_equal(np.asarray(decoded), np.asarray(value)), column
+            else:
+                assert row[column] == value, column
+    assert {"seg.png", "b.txt", "mask.cls2"} <= set(ours[0]) and "y.txt" in ours[1]

@@ -61,8 +61,15 @@ from contrastive_accelerate.untrusted import parse_json
 
 #: Shard formats by file suffix.
 SHARD_FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet"}
-#: Tar members read as images (undecoded bytes, decoded where the sample is used).
+#: Tar members by their last extension, as webdataset decodes them (``seg.png`` is an
+#: image, ``b.txt`` a text): images stay undecoded bytes, decoded where the sample is used;
+#: texts, JSON and integers are read here. Nothing is unpickled (``pyd``, ``pth``, ``pkl``
+#: stay bytes), and ``id`` stays bytes too: webdataset's int of a non-numeric id would make
+#: every row unusable, although a run rarely reads that column.
 IMAGE_MEMBERS = ("png", "jpg", "jpeg", "webp", "bmp", "gif", "ppm", "tif", "tiff")
+TEXT_MEMBERS = ("txt", "text", "transcript", "caption")
+JSON_MEMBERS = ("json", "jsn")
+INT_MEMBERS = ("cls", "cls2", "class", "count", "index", "inx")
 #: ``derive_seed``'s stream for the shard order and shuffle buffer of a pass.
 PASS_STREAM = 3
 #: The default number of streams is at most this.
@@ -266,12 +273,16 @@ def _tar_rows(path: str) -> Iterator[dict | BadRow]:
                     key = (directory, stem)
                     row = {SOURCE_KEY: f"{path}, {os.path.join(directory, stem)}"}
                 data = archive.extractfile(member).read()
-                row[extension.lower()] = _member_value(extension.lower(), data, path, member.name)
+                column = extension.lower()  # the column keeps every extension: "seg.png"
+                kind = column.rsplit(".", 1)[-1]  # the last one decides the type
+                row[column] = _member_value(kind, data, path, member.name)
         if not _ends_like_a_tar(path):
             problem = "no end-of-archive blocks"
     except (tarfile.TarError, EOFError, OSError) as error:
         problem = first_line(error)
-    if problem is not None:
+    if problem is not None and member_name is None:
+        yield BadRow(f"{path}: not a tar archive, or cut before its first member ({problem})")
+    elif problem is not None:
         yield BadRow(f"{path}: truncated or malformed tar after {member_name!r} ({problem})")
     elif row:
         yield _with_json_fields(row)
@@ -299,11 +310,11 @@ def _member_value(extension: str, data: bytes, path: str, member: str) -> Any:
     if extension in IMAGE_MEMBERS:
         return {"bytes": data, "path": f"{path}:{member}"}
     try:
-        if extension in ("txt", "text", "caption"):
+        if extension in TEXT_MEMBERS:
             return data.decode("utf-8")
-        if extension == "json":
+        if extension in JSON_MEMBERS:
             return parse_json(data)
-        if extension in ("cls", "cls2", "index"):
+        if extension in INT_MEMBERS:
             return int(data.strip())
     except ValueError as error:
         return BadRow(f"{path}: member {member!r} cannot be read ({first_line(error)})")
