@@ -204,3 +204,15 @@ def test_weights_that_overflow_are_refused_on_every_rank_before_a_step(sources, 
                           "--mixture-weights", "1e308,1e308", "--text-model", "scratch",
                           *COMMON, "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
     one_line_errors(result, "--mixture-weights 1e308,1e308: 2 positive finite numbers", 2)
+
+
+@pytest.mark.parametrize("contents", ["", "\n\n"])
+def test_an_empty_source_is_named_on_every_rank(sources, tmp_path, contents):
+    """An empty data file among the sources was ``cannot load dataset ...: StopIteration``
+    (``datasets``' own error, with no message)."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(contents)
+    result = train_pooled(2, "--dataset", sources["negatives"], "--dataset", str(empty),
+                          "--text-model", "scratch", *COMMON, "--output-dir",
+                          str(tmp_path / "run"), check=False)  # fmt: skip
+    one_line_errors(result, f"dataset file {str(empty)!r} is empty", 2)

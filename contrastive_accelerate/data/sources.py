@@ -162,6 +162,8 @@ def load_splits(name: str | None, config_name: str | None):
                 )
             if config_name:
                 raise DataError("--dataset-config does not apply to a single data file")
+            if not _holds_text(name):  # datasets' own error is a bare StopIteration
+                raise DataError(f"dataset file {name!r} is empty")
             dataset = datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files={"train": name})
         else:
             dataset = datasets.load_dataset(name, name=config_name)
@@ -211,6 +213,15 @@ def _read_saved_json(path: str) -> dict:
     if not isinstance(value, dict):
         raise DataError(f"{path}: malformed (not a JSON object)")
     return value
+
+
+def _holds_text(path: str) -> bool:
+    """Whether the file holds anything but white space (read up to its first such byte)."""
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return True
+    return False
 
 
 def _inside(folder: str, name: str) -> bool:
