@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import shutil
 import tarfile
 from pathlib import Path
 from typing import NamedTuple
@@ -226,6 +227,28 @@ def test_a_resume_mid_stream_ends_where_the_straight_run_does(runs, tmp_path):
           f"{error:.1e} (from the 1-process straight run)")  # fmt: skip
     assert same == 0.0
     assert error <= EXACT
+
+
+def test_a_shard_edited_in_place_at_the_same_size_refuses_the_resume(tmp_path):
+    """A stream's fingerprint held the shards' names and sizes: a shard whose text was
+    changed in place at the same size resumed without notice. Its modification time is
+    part of it now. The control: before the edit, a copy of the run resumes."""
+    shards = make_text_pair_shards(tmp_path / "shards", [7, 5, 9])
+    flags = ["--streaming", "--dataset", str(shards), "--text-model", "scratch", *TEXT,
+             "--save-every", "2", "--num-workers", "0"]  # fmt: skip
+    train_pooled(1, *flags, "--max-steps", "2", "--output-dir", str(tmp_path / "run"))
+    shutil.copytree(tmp_path / "run", tmp_path / "control")
+    train_pooled(1, *flags, "--max-steps", "4", "--resume-from", "latest", "--output-dir",
+                 str(tmp_path / "control"))  # fmt: skip
+    shard = shards / "part-00001.jsonl"
+    text = shard.read_text()
+    edited = text.replace("a", "b", 1)
+    assert edited != text and len(edited) == len(text)
+    shard.write_text(edited)
+    result = train_pooled(1, *flags, "--max-steps", "4", "--resume-from", "latest",
+                          "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
+    one_line_errors(result, "this run differs from the checkpoint's in --dataset's shard times", 1)
+    assert "--dataset's shards " not in result.stderr  # the names and sizes are the same
 
 
 def test_the_streamed_run_logs_its_losses_and_refuses_what_it_cannot_honour(runs, shards, tmp_path):

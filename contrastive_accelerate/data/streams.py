@@ -124,14 +124,23 @@ class ShardStreams:
         rows = (row for row in self.read(0) if isinstance(row, dict))
         return list(itertools.islice(rows, count))
 
-    def digest(self) -> str:
-        """The shards as a resume compares them: names and sizes (not contents: a stream
-        may be terabytes); a hub dataset's name and shards."""
+    def digests(self) -> dict[str, str]:
+        """The shards as a resume compares them, without reading them (a stream may be
+        terabytes): ``shards``, their names and sizes (a hub dataset's name and shards),
+        and for files ``shard times``, their modification times to the nanosecond, which
+        every write updates: a shard edited in place at the same size is caught. Not
+        caught: an edit whose writer restores the time (``touch -r``); refused, wrongly:
+        shards copied without their times (``cp -p`` and ``rsync -a`` keep them)."""
         if self.hub is not None:
             listing = [self.hub.info.dataset_name, self.hub.info.config_name, *self.shards]
-        else:
-            listing = [(os.path.basename(path), os.path.getsize(path)) for path in self.shards]
-        return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+            return {"shards": _sha256(listing)}
+        listing = [(os.path.basename(path), os.path.getsize(path)) for path in self.shards]
+        times = [os.stat(path).st_mtime_ns for path in self.shards]
+        return {"shards": _sha256(listing), "shard times": _sha256(times)}
+
+
+def _sha256(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()
 
 
 def find_shards(
@@ -445,10 +454,14 @@ def described(train) -> tuple[int, dict[str, dict[str, str]]]:
     shards (``RunState.inputs``), its length being unknown; a mixture's (a tuple), each
     source's."""
     if isinstance(train, ShardStreams):
-        return 0, {"dataset": {"shards": train.digest()}}
+        return 0, {"dataset": train.digests()}
     if isinstance(train, tuple):  # a mixture's sources
-        parts = [described(source) for source in train]
-        digests = {f"source {number}": inputs["dataset"]["shards"] if inputs else str(rows)
-                   for number, (rows, inputs) in enumerate(parts)}  # fmt: skip
+        digests = {}
+        for number, source in enumerate(train):
+            rows, inputs = described(source)
+            parts = inputs["dataset"] if inputs else {"shards": str(rows)}
+            # "source 0" is the shards' (a table's rows), as before the shard times.
+            digests |= {f"source {number}" + ("" if part == "shards" else f" {part}"): digest
+                        for part, digest in parts.items()}  # fmt: skip
         return 0, {"dataset": digests}
     return len(train), {}
