@@ -29,7 +29,7 @@ from contrastive_accelerate.checkpoint import (
     load_checkpoint,
 )
 from contrastive_accelerate.ckpt_diff import max_abs_diff
-from contrastive_accelerate.preemption import EXIT_PREEMPTED
+from contrastive_accelerate.preemption import EXIT_PREEMPTED, REPEAT_WINDOW_S
 
 from launch import (
     ENV,
@@ -239,6 +239,39 @@ def test_a_signal_during_the_final_evaluation_keeps_the_model_and_the_run_finish
     resumed = train_pooled(1, *run, "--resume-from", "latest")
     assert "linear probe top-1" in resumed.stdout, resumed.stdout
     assert max_abs_diff(str(tmp_path / "final-before"), str(output / "final")) == 0.0
+
+
+def test_a_second_signal_during_a_save_leaves_the_last_complete_checkpoint_latest(tmp_path):
+    """The second signal, more than a second after the first, ends the process at once,
+    here while a checkpoint is being written: the partial directory is all it leaves,
+    ``latest`` names a complete checkpoint that loads, and ``--resume-from latest``
+    continues and removes the partial. ResNet-50 saved every step (200 MB of weights and
+    momentum) on 32 px images (a step of about 4 s here): the first signal comes in step
+    2 (after its start, where a stop would be agreed before any save), the second once
+    step 2's save has begun and the repeat window has passed."""
+    output = tmp_path / "run"
+    run = ["--model", "resnet50", "--image-size", "32", "--batch-size", "16", "--knn-k", "0",
+           "--max-steps", "1000", "--save-every", "1", "--log-every", "1",
+           "--num-workers", "0", "--output-dir", str(output)]  # fmt: skip
+    partials = lambda: [p for p in output.iterdir() if p.name.endswith(".partial")]  # noqa: E731
+    job = _direct(*run)
+    wait_until(lambda: latest_checkpoint(str(output)) is not None, interval=0.001)
+    time.sleep(0.2)  # into step 2's forward and backward (its start takes milliseconds)
+    job.send_signal(signal.SIGTERM)
+    first = time.monotonic()
+    wait_until(lambda: (partials() and time.monotonic() - first > REPEAT_WINDOW_S + 0.05)
+               or job.poll() is not None, interval=0.001)  # fmt: skip
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=LAUNCH_TIMEOUT_S)
+    assert job.returncode == -signal.SIGTERM, stderr[-2000:]
+    assert "received SIGTERM again: stopping now, without a checkpoint" in stderr
+    assert partials(), "the second signal did not land during a save"
+    latest = latest_checkpoint(str(output))
+    step = load_checkpoint(latest).step  # complete: it loads
+    resumed = train_pooled(1, *run[:-2], "--max-steps", str(step + 1), "--resume-from",
+                           "latest", "--output-dir", str(output))  # fmt: skip
+    assert f"resumed from {latest} at step {step}" in resumed.stdout
+    assert not partials() and (output / "final" / "model.safetensors").exists()
 
 
 def test_second_signal_after_the_repeat_window_exits_at_once():
