@@ -149,9 +149,16 @@ def validate(config: Any) -> None:
             _check_bounds(field.name, value, *field.metadata["bounds"])
 
 
+#: Every number a float option holds meets float32 tensors (the optimizer turns --lr and
+#: --weight-decay into the weights' dtype): beyond this it is an overflow, not a value.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_bounds(name, value, at_least, above, below, at_most) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{flag(name)} {value}: must be a finite number")
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+        raise ConfigError(f"{flag(name)} {value:g}: must be within float32's range (3.4e+38)")
     rules = [(at_least, ">="), (above, ">"), (below, "<"), (at_most, "<=")]
     rules = [(limit, relation) for limit, relation in rules if limit is not None]
     holds = {

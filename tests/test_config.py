@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -258,6 +259,9 @@ def test_a_json_config_nested_too_deeply_is_one_line(tmp_path):
         ({"max_steps": 0}, "--max-steps 0: must be >= 1"),
         ({"batch_size": 1}, "--batch-size 1: must be >= 2"),
         ({"lr": float("nan")}, "--lr nan: must be a finite number"),
+        # Finite, but an overflow where the optimizer turns it into float32: a traceback.
+        ({"lr": 1e308}, "--lr 1e+308: must be within float32's range"),
+        ({"weight_decay": 1e39}, "--weight-decay 1e+39: must be within float32's range"),
         ({"temperature": 0.0}, "--temperature 0: must be > 0"),
         ({"momentum": 1.0}, "--momentum 1: must be >= 0 and < 1"),
         ({"eval_holdout": 1.0}, "--eval-holdout 1: must be >= 0 and < 1"),
@@ -274,7 +278,7 @@ def test_a_json_config_nested_too_deeply_is_one_line(tmp_path):
 )
 def test_bad_values_are_refused_in_python_as_on_the_command_line(options, message):
     """``TrainConfig(...)`` validates exactly as the CLI does: train() gets no bad config."""
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         TrainConfig(**options)
 
 
