@@ -45,8 +45,8 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return
     # One reduction pass, nothing the size of the tensor allocated: the extremes are
-    # finite exactly when every value is (a NaN propagates into both); about 3x faster
-    # on CPU than isfinite(tensor).all() (benchmarks/integrity.py).
+    # finite exactly when every value is (a NaN propagates into both); far faster on CPU
+    # than isfinite(tensor).all() (docs/benchmarks.md, "Checkpoint integrity").
     if not all(torch.isfinite(extreme) for extreme in torch.aminmax(tensor)):
         raise NonFiniteTensor(f"tensor {name!r} holds a NaN or an infinity")
 
