@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -39,7 +41,7 @@ from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.knn import KnnData, RawPixels, knn_data, knn_top1
 from contrastive_accelerate.launch import make_accelerator, one_line_errors
 from contrastive_accelerate.linear_probe import linear_probe_top1
-from contrastive_accelerate.methods import METHODS
+from contrastive_accelerate.methods import METHODS, Method
 from contrastive_accelerate.optim import make_optimizer, warmup_cosine
 from contrastive_accelerate.options import TrainConfig, check_data, check_launch, check_steps
 from contrastive_accelerate.preemption import StopSignals, exit_preempted
@@ -134,19 +136,7 @@ def _train(
     )
     if config.augmentation_seeding == "per-process":
         set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
-    if config.fsdp:  # weights, gradients and optimizer state sharded, in place (FSDP2)
-        method.shard(accelerator.mixed_precision)
-    optimizer = make_optimizer(
-        config.optimizer,
-        method.model.parameters(),
-        lr=config.lr,
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-    )
-    if config.fsdp:
-        model, optimizer = method.model, accelerator.prepare(optimizer)
-    else:
-        model, optimizer = accelerator.prepare(method.model, optimizer)  # DDP
+    model, optimizer = _distributed(config, accelerator, method)
     learning_rate = warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model, optimizer and method state; the step gives the data position and the lr.
@@ -208,9 +198,8 @@ def _train(
                 stop, skipped = _stop_requested(signals, batch, config)
                 skipped_samples += skipped
                 if stop:
-                    preempted = signals.requested or "a signal to another rank"
-                    if step != saved_step:
-                        last_checkpoint = save(step)
+                    preempted, last_checkpoint = _stopped(signals, save, step, saved_step,
+                                                          last_checkpoint)  # fmt: skip
                     break
                 # Every rank's share, known from the sampler: the losses exchange nothing
                 # (unless a rank skipped an image, or Accelerate shards: the control).
@@ -218,21 +207,11 @@ def _train(
                 sizes = None
                 if known:
                     sizes = checks.known_sizes(sampler.share_sizes(step % steps_per_epoch))
-                loss = cached_backward(
-                    model,
-                    batch.split(config.accumulation_chunks),
-                    partial(method.loss, batch=batch, sizes=sizes, step=step),
-                    forward=partial(method.embed, model, step=step),
-                    backward=accelerator.backward,
-                )
-                checks.record(step, loss)
                 lr = learning_rate(step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                method.before_optimizer_step(epoch)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                method.after_step(step)
+                loss = train_step(model, optimizer, method, batch, step=step, epoch=epoch, lr=lr,
+                                  sizes=sizes, chunks=config.accumulation_chunks,
+                                  backward=accelerator.backward)  # fmt: skip
+                checks.record(step, loss)
                 step += 1
                 progress.update(1)
 
@@ -257,14 +236,9 @@ def _train(
     # signal during either leaves a checkpoint of the last step to finish from.
     # Under --fsdp the model stays sharded: every rank takes part in the final save
     # (one tower whole at a time) and in each evaluation's forwards.
-    unwrapped = model if config.fsdp else accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model)
     if not preempted:
-        if config.fsdp:
-            final = run.save_final(model, method.state_dict())
-        else:
-            final = on_main_process(
-                run.save_final, unwrapped, method.state_dict(), errors=(CheckpointError,)
-            )
+        final = _save_final(accelerator, run, model, method)
         evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
         if knn is not None:
             evaluations[:0] = [
@@ -274,9 +248,8 @@ def _train(
             ]  # fmt: skip
         for evaluate in evaluations:
             if any_rank(signals.requested is not None)[0]:
-                preempted = signals.requested or "a signal to another rank"
-                if step != saved_step:
-                    last_checkpoint = save(step)
+                preempted, last_checkpoint = _stopped(signals, save, step, saved_step,
+                                                      last_checkpoint)  # fmt: skip
                 break
             metrics |= evaluate()
 
@@ -293,6 +266,73 @@ def _train(
     if accelerator.is_main_process:
         print(_summary(metrics, config.knn_k, final, knn), flush=True)
     return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    method: Method,
+    batch: Any,
+    *,
+    step: int,
+    epoch: int,
+    lr: float,
+    sizes: list[int] | None = None,
+    chunks: int = 1,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+) -> torch.Tensor:
+    """One optimisation step on ``batch``, this rank's share of the global batch.
+
+    The method embeds the share (``method.embed``) and computes this rank's part of the
+    global loss over every rank's embeddings (``method.loss``, told every rank's share
+    ``sizes`` where the loop knows them); its gradients come in ``chunks`` of the share
+    that give the one-chunk gradients exactly (``grad_cache.cached_backward``; the
+    accelerator's ``backward`` for mixed precision). Then the step at ``lr``, between
+    the method's hooks (a teacher's EMA, a queue, a frozen head's gradients). Returns the
+    loss, detached from nothing: the loop reads it at logging steps only.
+    """
+    loss = cached_backward(
+        model,
+        batch.split(chunks),
+        partial(method.loss, batch=batch, sizes=sizes, step=step),
+        forward=partial(method.embed, model, step=step),
+        backward=backward,
+    )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    method.before_optimizer_step(epoch)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    method.after_step(step)
+    return loss
+
+
+def _distributed(
+    config: TrainConfig, accelerator: Accelerator, method: Method
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer as every rank trains them: with ``--fsdp`` weights,
+    gradients and optimizer state sharded in place (FSDP2), else replicas under DDP.
+    The one place that decides: the saves and evaluations ask ``is_sharded(model)``."""
+    if config.fsdp:
+        method.shard(accelerator.mixed_precision)  # before the optimizer sees the weights
+    optimizer = make_optimizer(
+        config.optimizer,
+        method.model.parameters(),
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+    if config.fsdp:
+        return method.model, accelerator.prepare(optimizer)
+    return accelerator.prepare(method.model, optimizer)
+
+
+def _stopped(signals: StopSignals, save, step: int, saved_step: int, last_checkpoint):
+    """A stop agreed at ``step``: the signal's name and the checkpoint of ``step``, written
+    now unless this step was just saved."""
+    if step != saved_step:
+        last_checkpoint = save(step)
+    return signals.requested or "a signal to another rank", last_checkpoint
 
 
 def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[bool, int]:
@@ -347,6 +387,19 @@ def _save(accelerator, run, model, optimizer, method, state, checks, step: int) 
         accelerator.unwrap_model(model),
         optimizer,
         state,
+        method.state_dict(),
+        errors=(CheckpointError,),
+    )
+
+
+def _save_final(accelerator, run: RunDirectory, model, method: Method) -> str:
+    """``final/``, written by the main process, or under --fsdp by every rank (one tower
+    whole at a time)."""
+    if is_sharded(model):
+        return run.save_final(model, method.state_dict())
+    return on_main_process(
+        run.save_final,
+        accelerator.unwrap_model(model),
         method.state_dict(),
         errors=(CheckpointError,),
     )
