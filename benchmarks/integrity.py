@@ -1,8 +1,8 @@
-"""What a checkpoint's integrity checks cost per GB, next to writing and reading it.
+"""What a checkpoint's integrity checks cost per GB, next to writing it.
 
 A float32 state of ``--quick`` 64 MiB or 1 GiB, as 64 equal tensors (a model's and its
 optimizer's state come as many tensors of a few MB each): the finiteness check that every
-save and load runs (``durable_files.check_finite``: one ``isfinite`` pass per tensor), the
+save and load runs (``durable_files.check_finite``: one ``aminmax`` pass per tensor), the
 content digest that a sharded checkpoint's reader recomputes for each shard it reads
 (``durable_files.content_digest``: SHA-256 over names, shapes and bytes), the write of the
 same tensors as one safetensors file flushed to disk (``write_tensors``: the copy, the

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import itertools
-import json
 import os
 import random
 import tarfile
@@ -57,6 +55,7 @@ import torch
 
 from contrastive_accelerate.data.sampler import derive_seed, share_sizes
 from contrastive_accelerate.data.sources import DataError, first_line
+from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.untrusted import parse_json
 
 #: Shard formats by file suffix.
@@ -133,14 +132,10 @@ class ShardStreams:
         shards copied without their times (``cp -p`` and ``rsync -a`` keep them)."""
         if self.hub is not None:
             listing = [self.hub.info.dataset_name, self.hub.info.config_name, *self.shards]
-            return {"shards": _sha256(listing)}
+            return {"shards": content_digest({}, listing)}
         listing = [(os.path.basename(path), os.path.getsize(path)) for path in self.shards]
         times = [os.stat(path).st_mtime_ns for path in self.shards]
-        return {"shards": _sha256(listing), "shard times": _sha256(times)}
-
-
-def _sha256(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value).encode()).hexdigest()
+        return {"shards": content_digest({}, listing), "shard times": content_digest({}, times)}
 
 
 def find_shards(
