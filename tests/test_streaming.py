@@ -385,3 +385,6 @@ def test_tar_members_are_named_and_decoded_as_webdataset_does(tmp_path):
             else:
                 assert row[column] == value, column
     assert {"seg.png", "b.txt", "mask.cls2"} <= set(ours[0]) and "y.txt" in ours[1]
+    # The control: undecoded, as these columns were here, they differ from webdataset's.
+    raw = next(iter(webdataset.WebDataset(path, shardshuffle=False)))
+    assert raw["b.txt"] != theirs[0]["b.txt"] and raw["mask.cls2"] != theirs[0]["mask.cls2"]
