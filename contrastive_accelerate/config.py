@@ -20,7 +20,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contrastive_accelerate.untrusted import parse_json, parse_yaml, preview
@@ -40,7 +40,7 @@ def option(
     help: str,
     *,
     resume: str = "refuse",
-    choices: Sequence[Any] | None = None,
+    choices: Sequence[Any] | Mapping[Any, Any] | None = None,
     at_least: float | None = None,
     above: float | None = None,
     below: float | None = None,
@@ -48,13 +48,15 @@ def option(
 ) -> Any:
     """A dataclass field carrying everything the CLI, config files and validation need.
 
-    ``resume`` is "refuse" unless the option may change when a checkpoint is continued."""
+    ``resume`` is "refuse" unless the option may change when a checkpoint is continued.
+    ``choices`` a table (a mapping): its keys, as the table has them when an option is
+    checked, so that a row added to it is a choice."""
     if resume not in RESUME_RULES:
         raise ValueError(f"resume must be one of {RESUME_RULES}")
     metadata = {
         "help": help,
         "resume": resume,
-        "choices": tuple(choices) if choices else None,
+        "choices": choices if isinstance(choices, Mapping) else tuple(choices or ()) or None,
         "bounds": (at_least, above, below, at_most),
     }
     return dataclasses.field(default=default, metadata=metadata)

@@ -4,9 +4,10 @@ Each field is a ``--flag`` and a config-file key (``contrastive_accelerate.confi
 generates both and checks each field's type, choices and bounds). What depends on
 more than one field is checked here, once, before anything is built:
 
-- ``TrainConfig.__post_init__``: each field alone (``config.validate``), the rules
-  between fields that every method shares, and the method's own refusals
-  (``METHODS[method].check``);
+- ``TrainConfig.__post_init__``: each field alone (``config.validate``), what the
+  method, its tower and its source compose to (``methods.composition``: the one place
+  of those reasons), the rules between fields that every method shares, and the
+  method's own refusals (``METHODS[method].check``);
 - ``check_launch``: the options against the launch (processes, mixed precision);
 - ``check_data``: the options against the data (``METHODS[method].check_data``);
 - ``check_steps``: the options against a checkpoint's step.
@@ -32,12 +33,18 @@ from contrastive_accelerate.launch import (
     TrainerError,
     refuse_accelerate_fsdp,
 )
-from contrastive_accelerate.methods import DTYPES, LOSSES, METHOD_OPTIONS, METHODS, PAIR_LOSSES
+from contrastive_accelerate.methods import (
+    DTYPES,
+    LOSSES,
+    METHOD_OPTIONS,
+    METHODS,
+    PAIR_LOSSES,
+    composition,
+)
 from contrastive_accelerate.optim import OPTIMIZERS
 from losses.dino import CENTER_FORMULAS
-from models import BACKBONES
-from models.simclr import VIT_SIZES
 from models.text import POOLINGS
+from models.towers import IMAGE_TOWERS
 from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
@@ -104,10 +111,10 @@ class TrainConfig:
     )
     # Method, model and loss
     method: str | None = option(
-        None, "simclr (--loss), moco (v3), byol, dino, pairs; none: simclr, pairs if --columns",
+        None, "a row of the methods table; none: simclr, pairs if --columns",
         choices=METHODS,
     )  # fmt: skip
-    model: str = option("resnet18", "encoder", choices=BACKBONES)
+    model: str = option("resnet18", "encoder", choices=IMAGE_TOWERS)
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str | None = option(
         None, "objective, exact on any number of processes; none: ntxent, pairs: mnrl / infonce",
@@ -309,6 +316,7 @@ class TrainConfig:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
         method = self.chosen_method
         row = METHODS[method]
+        composition.check(self, row)  # first: it says why a source or a tower is refused
         for name in METHOD_OPTIONS:
             if not is_set(self, name) or name in row.read_by(self):
                 continue
@@ -317,18 +325,8 @@ class TrainConfig:
                 raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
         METHODS[method].check(self)  # first: --image-model replaces --model's tower
+        composition.check_tower_options(self, row)
         self._check_streams_and_mixtures()
-        if self.gradient_checkpointing and self.model == "mlp" and self.chosen_method != "pairs":
-            raise ConfigError(
-                "--gradient-checkpointing applies to the resnets, the vits and transformers "
-                "towers, not mlp"
-            )
-        if self.drop_path and self.model not in VIT_SIZES:
-            raise ConfigError(f"--drop-path applies to the vit encoders, not {self.model}")
-        if self.dropout and self.model not in ("mlp", *VIT_SIZES):
-            raise ConfigError(
-                f"--dropout applies to the vit and mlp encoders; {self.model} has no dropout layers"
-            )
 
     @property
     def mixed(self) -> bool:
@@ -348,10 +346,10 @@ class TrainConfig:
             raise ConfigError("several --columns need as many --dataset (a mixture)")
         if not (self.streaming or self.mixed):
             return
-        if self.dataset is None or self.max_steps is None or self.chosen_method != "pairs":
+        if self.dataset is None or self.max_steps is None:
             raise ConfigError(
-                "--streaming and several --dataset train --method pairs on --dataset for "
-                "--max-steps steps (a stream has no length, a mixture no epochs)"
+                "--streaming and several --dataset train on --dataset for --max-steps steps "
+                "(a stream has no length, a mixture no epochs)"
             )
         for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
             if is_set(self, name):
@@ -419,7 +417,7 @@ class TrainConfig:
             method=self.chosen_method,
             output_dir=os.path.join("runs", self.chosen_method),
             image_size=None if self.image_model or self.clip_model else 8 if digits else 32,
-            dropout=0.1 if self.model in VIT_SIZES else 0.0,
+            dropout=IMAGE_TOWERS[self.model].default_dropout,
             crop_min_scale=0.5 if digits else 0.2,
             horizontal_flip=not digits,
         )

@@ -9,18 +9,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import torch
-import torch.nn.functional as F
-import torchvision
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
-from torchvision.ops import StochasticDepth
 
 from models.dino import DINOHead
+from models.towers import IMAGE_TOWERS, SMALL_IMAGE_MAX_SIZE
 
-BACKBONES = ("resnet18", "resnet34", "resnet50", "vit_tiny", "vit_small", "mlp")
-#: Vision Transformers (Dosovitskiy et al., 2021) in DeiT's sizes (Touvron et al., 2021):
-#: layers, heads, width, MLP width.
-VIT_SIZES = {"vit_tiny": (12, 3, 192, 768), "vit_small": (12, 6, 384, 1536)}
+BACKBONES = tuple(IMAGE_TOWERS)
 
 
 class SimCLR(nn.Module, PyTorchModelHubMixin):
@@ -77,6 +72,8 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"unknown backbone {backbone!r}; choose one of {', '.join(BACKBONES)}")
+        if small_image_max_size != SMALL_IMAGE_MAX_SIZE:  # kept for saved config.json files
+            raise ValueError(f"small_image_max_size is {SMALL_IMAGE_MAX_SIZE}")
         if projection_layers < 2:
             raise ValueError(f"projection_layers must be >= 2, got {projection_layers}")
         # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
@@ -94,67 +91,29 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
                 prediction_hidden_dim,
                 projection_dim,
                 2,
-                batch_norm=backbone not in ("mlp", *VIT_SIZES),
+                batch_norm=IMAGE_TOWERS[backbone].batch_norm,
                 after_linear=False,
             )
             if prediction_hidden_dim is not None
             else None
         )
-        if backbone == "mlp":
-            hidden = 256
-            self.encoder = nn.Sequential(
-                nn.Flatten(),
-                nn.Linear(in_channels * image_size * image_size, hidden),
-                nn.ReLU(),
-                *([nn.Dropout(dropout)] if dropout else []),
-                nn.Linear(hidden, hidden),
-            )
-            self.projection_head = _head(
-                hidden, projection_hidden_dim, projection_dim, projection_layers, batch_norm=False
-            )
-            self._dino_head(hidden, dino_out_dim, projection_hidden_dim, projection_dim)
-            return
-        if backbone in VIT_SIZES:
-            self.encoder = _vision_transformer(backbone, image_size, dropout, drop_path)
-            self.projection_head = _head(
-                self.encoder.hidden_dim,
-                projection_hidden_dim,
-                projection_dim,
-                projection_layers,
-                batch_norm=False,
-                after_linear=False,
-            )
-            self._dino_head(
-                self.encoder.hidden_dim, dino_out_dim, projection_hidden_dim, projection_dim
-            )
-            return
-        resnet = torchvision.models.get_model(backbone, weights=None)
-        if image_size <= small_image_max_size:  # CIFAR stem: keep the few pixels there are
-            resnet.conv1 = nn.Conv2d(
-                in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False
-            )
-            resnet.maxpool = nn.Identity()
-        elif in_channels != 3:
-            resnet.conv1 = nn.Conv2d(
-                in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False
-            )
-        feature_dim = resnet.fc.in_features
-        resnet.fc = nn.Identity()
-        self.encoder = resnet
+        tower = IMAGE_TOWERS[backbone]
+        self.encoder, width = tower.build(image_size, in_channels, dropout, drop_path)
+        if tower.patch_size is None and drop_path:
+            raise ValueError(f"drop_path applies to towers of patches, not {backbone}")
         self.projection_head = _head(
-            feature_dim, projection_hidden_dim, projection_dim, projection_layers, batch_norm=True
+            width,
+            projection_hidden_dim,
+            projection_dim,
+            projection_layers,
+            batch_norm=tower.batch_norm,
+            after_linear=tower.linear_output,
         )
-        self._dino_head(
-            feature_dim, dino_out_dim, projection_hidden_dim, projection_dim, batch_norm=True
-        )
-
-    def _dino_head(
-        self, in_dim: int, out_dim: int | None, hidden: int, bottleneck: int, batch_norm=False
-    ) -> None:
-        if out_dim is not None:  # DINO's head replaces the projection head
+        if dino_out_dim is not None:  # DINO's head replaces the projection head
             self.projection_head = DINOHead(
-                in_dim, out_dim, hidden, bottleneck, batch_norm=batch_norm
-            )
+                width, dino_out_dim, projection_hidden_dim, projection_dim,
+                batch_norm=tower.batch_norm,
+            )  # fmt: skip
 
     def save_exports(
         self,
@@ -174,96 +133,6 @@ class SimCLR(nn.Module, PyTorchModelHubMixin):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         projections = self.projection_head(self.encoder(images))
         return projections if self.predictor is None else self.predictor(projections)
-
-
-def vit_patch_size(image_size: int) -> int:
-    """The ViTs' patch size at ``image_size``: 16 pixels above 64 px, else ``image_size / 8``."""
-    return 16 if image_size > 64 else max(1, image_size // 8)
-
-
-def _vision_transformer(name: str, image_size: int, dropout: float, drop_path: float) -> nn.Module:
-    layers, heads, width, mlp_width = VIT_SIZES[name]
-    patch_size = vit_patch_size(image_size)
-    if image_size % patch_size:
-        raise ValueError(
-            f"{name} at image size {image_size} needs it divisible by its patch size {patch_size}"
-        )
-    vit = MultiResolutionViT(
-        image_size=image_size,
-        patch_size=patch_size,
-        num_layers=layers,
-        num_heads=heads,
-        hidden_dim=width,
-        mlp_dim=mlp_width,
-        dropout=dropout,
-        attention_dropout=0.0,  # drawn inside nn.MultiheadAttention: not per-sample
-    )
-    vit.heads = nn.Identity()  # the class token's features
-    if drop_path:  # DINO's rates: linear from 0 at the first block to drop_path at the last
-        blocks = vit.encoder.layers
-        for index, name in enumerate(list(blocks._modules)):
-            rate = drop_path * index / max(len(blocks) - 1, 1)
-            blocks._modules[name] = _StochasticDepthBlock(blocks._modules[name], rate)
-    return vit
-
-
-class MultiResolutionViT(torchvision.models.VisionTransformer):
-    """torchvision's ``VisionTransformer`` for square inputs of any size that the patch
-    size divides, as DINO's ViT takes its local crops: at another size than
-    ``image_size`` the patch position embeddings are resized to the patch grid by
-    DINO's bicubic ``interpolate_pos_encoding`` (the class token's is kept). At
-    ``image_size`` it is torchvision's forward, with the same state names.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, _, height, width = x.shape
-        if height != width or height % self.patch_size:
-            raise ValueError(
-                f"the ViT takes square inputs divisible by {self.patch_size} px, got "
-                f"{height}x{width}"
-            )
-        patches = self.conv_proj(x).flatten(2).transpose(1, 2)
-        x = torch.cat([self.class_token.expand(n, -1, -1), patches], dim=1)
-        x = x + self.position_embedding(height // self.patch_size)
-        encoder = self.encoder
-        return self.heads(encoder.ln(encoder.layers(encoder.dropout(x)))[:, 0])
-
-    def position_embedding(self, grid: int) -> torch.Tensor:
-        """``(1, 1 + grid**2, hidden)``: the class token's embedding, then the patches'
-        resized from the trained grid to ``grid x grid``. DINO adds 0.1 to the grid in
-        the scale factor so that flooring gives the intended size (dino #8)."""
-        embedding = self.encoder.pos_embedding
-        trained = self.image_size // self.patch_size
-        if grid == trained:
-            return embedding
-        patches = embedding[:, 1:].reshape(1, trained, trained, -1).permute(0, 3, 1, 2)
-        scale = (grid + 0.1) / trained
-        patches = F.interpolate(patches, scale_factor=(scale, scale), mode="bicubic")
-        patches = patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)
-        return torch.cat([embedding[:, :1], patches], dim=1)
-
-
-class _StochasticDepthBlock(nn.Module):
-    """torchvision's ``EncoderBlock`` with stochastic depth on both residual branches
-    (``StochasticDepth(rate, "row")``, which ``convert_sample_dropout`` keys by sample);
-    its submodules keep their names, so its state is the block's."""
-
-    def __init__(self, block: nn.Module, rate: float) -> None:
-        super().__init__()
-        self.ln_1, self.self_attention, self.dropout = (
-            block.ln_1,
-            block.self_attention,
-            block.dropout,
-        )
-        self.ln_2, self.mlp = block.ln_2, block.mlp
-        self.drop_path_attention = StochasticDepth(rate, "row")
-        self.drop_path_mlp = StochasticDepth(rate, "row")
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        x = self.ln_1(input)
-        x, _ = self.self_attention(x, x, x, need_weights=False)
-        x = input + self.drop_path_attention(self.dropout(x))
-        return x + self.drop_path_mlp(self.mlp(self.ln_2(x)))
 
 
 def _head(

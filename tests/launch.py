@@ -22,7 +22,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,13 +136,16 @@ def train_pooled(
     timeout: int = LAUNCH_TIMEOUT_S,
     check: bool = True,
     environment: dict[str, str] | None = None,
+    within: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> subprocess.CompletedProcess:
     """``trainer.py ARGS`` on ``num_processes`` ranks of the session's worker pool: what
     ``launch`` returns (the exit code of the first rank that failed, every rank's output
     in rank order) without starting a process. A run that hangs fails after ``timeout``
     seconds, naming the ranks that never returned, and the next run gets fresh workers.
     ``environment``: what the launcher's flags would add to ``ENV`` (``accelerate launch
-    --mixed_precision bf16`` sets ``ACCELERATE_MIXED_PRECISION=bf16``)."""
+    --mixed_precision bf16`` sets ``ACCELERATE_MIXED_PRECISION=bf16``). ``within``: a
+    picklable context manager factory that each rank enters around the run, and leaves
+    the worker as it found it (a project's own row in a table)."""
     from contrastive_accelerate.workers import free_port, run_in_workers
 
     per_rank = run_in_workers(
@@ -152,6 +155,7 @@ def train_pooled(
         list(trainer_args),
         {**ENV, **(environment or {})},
         os.getcwd(),
+        within,
         timeout_s=timeout,
     )
     codes = [code for code, _, _ in per_rank]
@@ -176,6 +180,7 @@ def _trainer_main(
     argv: list[str],
     environment: dict[str, str],
     working_directory: str,
+    within: Callable[[], contextlib.AbstractContextManager] | None,
 ) -> tuple[int, str, str]:
     """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state, in
     the caller's working directory (where a launch would start), with its exit code and
@@ -184,7 +189,7 @@ def _trainer_main(
 
     fresh_process_state(rank, world_size, port, environment)
     os.chdir(working_directory)
-    with _captured_output() as output:
+    with _captured_output() as output, within() if within else contextlib.nullcontext():
         try:
             trainer.main(argv)
             code = 0

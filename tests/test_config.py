@@ -271,7 +271,7 @@ def test_a_json_config_nested_too_deeply_is_one_line(tmp_path):
         ({"optimizer": "adam"}, "--optimizer 'adam': choose one of sgd, adamw, lars"),
         ({"epochs": 2.5}, "--epochs: expected int, got 2.5"),
         ({"overwrite_output_dir": True, "resume_from": "latest"}, "exclude each other"),
-        ({"dropout": 0.1}, "--dropout applies to the vit and mlp encoders; resnet18 has no"),
+        ({"dropout": 0.1}, "--dropout applies to vit_tiny, vit_small, mlp, not --model resnet18"),
         ({"dropout": 1.0, "model": "vit_tiny"}, "--dropout 1: must be >= 0 and < 1"),
         ({"accumulation_chunks": 0}, "--accumulation-chunks 0: must be >= 1"),
     ],
@@ -315,7 +315,8 @@ def test_usage_errors_are_one_line(capfd):
         ({"lora_rank": 4}, "--lora-rank does not apply to --method simclr"),
         (
             {"model": "mlp", "gradient_checkpointing": True},
-            "--gradient-checkpointing applies to the resnets, the vits and transformers towers",
+            "--gradient-checkpointing applies to resnet18, resnet34, resnet50, vit_tiny, "
+            "vit_small, not --model mlp",
         ),
         (
             {"columns": "a,b", "clip_model": "clip", "text_model": "bert"},
@@ -333,7 +334,7 @@ def test_usage_errors_are_one_line(capfd):
             {"columns": "a,b", "image_model": "vit", "dropout": 0.1},
             "--dropout does not apply with --image-model",
         ),
-        ({"drop_path": 0.1}, "--drop-path applies to the vit encoders, not resnet18"),
+        ({"drop_path": 0.1}, "--drop-path applies to vit_tiny, vit_small, not --model resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
         (
             {"columns": "a,b", "zero_shot_template": "a photo of {1}"},
@@ -424,7 +425,7 @@ def test_a_dataset_given_several_times_is_a_mixture_of_them(tmp_path):
         "applies to several --dataset": ["--dataset", "one", "--mixture", "round-robin"],
         "applies to --mixture proportional": [*MIXED, "--mixture", "round-robin",
                                               "--mixture-weights", "1,2"],
-        "train --method pairs": MIXED[:4],
+        "--method simclr trains on a table, not on a mixture": MIXED[:4],
     }  # fmt: skip
     for message, argv in refused.items():
         with pytest.raises(ConfigError, match=message):

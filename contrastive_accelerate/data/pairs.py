@@ -184,12 +184,13 @@ class MixedPairs:
 def load_mixture(
     names: tuple[str, ...], columns: list[tuple[str, ...]], *, streaming: bool,
     streams: int | None, shuffle_buffer: int, mixture: str, weights: list[float] | None,
-    temperature: float,
+    temperature: float, images_refused: str,
 ) -> MixedPairs:  # fmt: skip
     """Each of ``names`` with its ``columns``: with ``streaming`` a stream
     (``load_streamed_pairs``) unless it is a table (a data file or a ``save_to_disk``
     directory), else a table; all text pairs. ``mixture`` "round-robin" or
-    "proportional" to ``weights`` or to the tables' rows (``mixture_weights``)."""
+    "proportional" to ``weights`` or to the tables' rows (``mixture_weights``). A
+    source of images is refused with ``images_refused``, the reason."""
     from contrastive_accelerate.data.mixture import mixture_weights
 
     sources = []
@@ -199,7 +200,7 @@ def load_mixture(
         else:
             data = load_pair_dataset(name, source_columns, evaluate=False)
         if data.image_column is not None:
-            raise DataError(f"a mixture is of text pairs: --dataset {name!r} has images")
+            raise DataError(f"{images_refused}: --dataset {name!r} has images")
         sources.append(data)
     labels = [os.path.basename(os.path.normpath(name)) or name for name in names]
     labels = [label if labels.count(label) == 1 else f"{label}#{number}"

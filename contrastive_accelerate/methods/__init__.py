@@ -4,19 +4,28 @@ The loop (``trainer.py``) knows nothing of towers, views or losses: it calls a
 ``Method`` (``methods.base``) through its members and hooks, and nothing else of it.
 ``METHODS`` has one row per ``--method``: how it is built, its data, the options only
 it reads (set for another method, they are refused), its defaults and its refusals,
-which ``TrainConfig`` applies before anything is built. Each method family is one
-module: ``simclr`` (with the table of its losses, ``LOSSES``), ``momentum`` (MoCo v3,
-BYOL), ``dino``, and ``pairs`` (``text_pairs`` and ``image_text``, as the data are).
+which ``TrainConfig`` applies before anything is built, and its families: the kinds of
+source and of image tower it trains on, against which ``composition`` refuses the
+others, with the one reason each, and draws the matrix (docs/composition.md). Each
+method family is one module: ``simclr`` (with the table of its losses, ``LOSSES``),
+``momentum`` (MoCo v3, BYOL), ``dino``, and ``pairs`` (``text_pairs`` and
+``image_text``, as the data are).
 
 Adding a method, a checklist:
 
 1. One module here: a ``Method`` subclass (override the hooks it needs), its options
    tuple, ``defaults(config)``, ``check(config)`` and ``check_data(config, data)`` where
-   it has any, and its ``MethodRow``. Options that no method had before are fields of
-   ``TrainConfig`` (``contrastive_accelerate.options``), declared once with ``option``.
-2. One row in ``METHODS`` below.
-3. Its tests: a 1-vs-N case and a resume case in ``tests/test_methods_table.py`` (a test
-   fails until the row has both), and the method's own negative controls.
+   it has any, and its ``MethodRow`` with its ``Family``. Options that no method had
+   before are fields of ``TrainConfig`` (``contrastive_accelerate.options``), declared
+   once with ``option``.
+2. One row in ``METHODS`` below, and ``python -m contrastive_accelerate.methods`` to
+   redraw docs/composition.md.
+3. Its tests, found from the table: ``tests/test_composition.py`` trains every cell of
+   its families on 1 and 2 processes and with ``--fsdp``, refuses the others, resumes
+   its table cell mid-epoch on another number of processes and breaks it with
+   per-process dropout (it fails until ``FAMILY_FLAGS`` has the family's command
+   line); and the method's own negative controls. ``test_a_toy_method_...`` there shows
+   that nothing else must change.
 """
 
 from __future__ import annotations

@@ -115,6 +115,22 @@ class Method:
 
 
 @dataclass(frozen=True)
+class Family:
+    """What one kind of run of a method trains on (``methods.composition`` reads it):
+    the kinds of source it reads and, if it takes images, the kinds of image tower."""
+
+    #: How a refusal names it, e.g. "--method simclr".
+    name: str
+    #: Kinds of source (``composition.SOURCES``) it trains on.
+    sources: tuple[str, ...] = ("table",)
+    #: Kinds of image tower (``composition.TOWERS``) it trains; None: it takes no images.
+    towers: tuple[str, ...] | None = ("scratch",)
+    #: The options of ``models.towers.TOWER_OPTIONS`` that its other towers read (a text
+    #: tower's ``--gradient-checkpointing``), whatever ``--model`` reads.
+    reads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class MethodRow:
     """One ``--method`` of ``METHODS``: everything the options and the loop know of it."""
 
@@ -135,6 +151,9 @@ class MethodRow:
     #: ``check_data(config, data)``: its refusals that need the data (``TrainerError``),
     #: made before anything is built.
     check_data: Callable[[Any, Any], None] = lambda config, data: None
+    #: What it trains on (``methods.composition``): one ``Family``, or several that only
+    #: the data tell apart, whose ``check_data`` then asks ``composition.check_family``.
+    families: tuple[Family, ...] = ()
 
     def read_by(self, config) -> Collection[str]:
         """The options of ``options`` that ``config`` reads."""

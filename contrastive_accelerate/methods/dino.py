@@ -15,6 +15,7 @@ from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     SIMCLR_HEAD,
+    Family,
     MethodRow,
     Say,
     augmentation_options,
@@ -28,7 +29,7 @@ from losses import DINOLoss
 from losses.dino import batch_center
 from models import sample_keys, sample_randomness
 from models.momentum import EMATeacher, cosine_momentum
-from models.simclr import VIT_SIZES, vit_patch_size
+from models.towers import IMAGE_TOWERS
 
 #: DINO's ``warmup_teacher_temp``.
 DINO_WARMUP_TEACHER_TEMPERATURE = 0.04
@@ -178,23 +179,26 @@ def defaults(config) -> dict[str, Any]:
         "teacher_momentum": 0.99 if digits else 0.996,
         "teacher_temperature": 0.01 if digits else 0.04,
         "dino_out_dim": 256 if digits else 1024,
-        "local_crops": 0 if config.model == "mlp" or digits else 6,
+        "local_crops": 0 if not IMAGE_TOWERS[config.model].any_input_size or digits else 6,
         "local_crop_size": max(1, config.image_size // 2),
         **({"epochs": 90} if digits else {}),
     }
 
 
 def check(config) -> None:
-    if config.local_crops and config.model == "mlp":
-        raise ConfigError("--local-crops: mlp takes one input size; use a resnet or a vit")
+    tower = IMAGE_TOWERS[config.model]
+    if config.local_crops and not tower.any_input_size:
+        raise ConfigError(
+            f"--local-crops: {config.model} takes one input size; use a resnet or a vit"
+        )
     if config.local_crop_size and config.image_size and config.local_crop_size > config.image_size:
         raise ConfigError(
             f"--local-crop-size {config.local_crop_size} is larger than the global crops "
             f"(--image-size {config.image_size})"
         )
-    vit_crops = config.model in VIT_SIZES and config.local_crops != 0
-    if vit_crops and config.local_crop_size and config.image_size:
-        patch = vit_patch_size(config.image_size)
+    patches = tower.patch_size is not None and config.local_crops != 0
+    if patches and config.local_crop_size and config.image_size:
+        patch = tower.patch_size(config.image_size)
         if config.local_crop_size % patch:
             raise ConfigError(
                 f"--local-crop-size {config.local_crop_size}: {config.model} at --image-size "
@@ -221,4 +225,5 @@ DINO = MethodRow(
     options=(*TEACHER_OPTIONS, *DINO_OPTIONS, "temperature"),
     defaults=defaults,
     check=check,
+    families=(Family("--method dino"),),
 )

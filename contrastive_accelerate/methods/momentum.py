@@ -14,6 +14,7 @@ from contrastive_accelerate.data import TwoViewBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.methods.base import (
     SIMCLR_HEAD,
+    Family,
     Method,
     MethodRow,
     Say,
@@ -167,7 +168,12 @@ MOCO = MethodRow(
     image_data,
     options=(*TEACHER_OPTIONS, "queue_size", "queue_keys", "temperature"),
     defaults=momentum_defaults(0.99, temperature=0.2),  # MoCo v3's
+    families=(Family("--method moco"),),
 )
 BYOL = MethodRow(
-    MomentumMethod, image_data, options=TEACHER_OPTIONS, defaults=momentum_defaults(0.996)
+    MomentumMethod,
+    image_data,
+    options=TEACHER_OPTIONS,
+    defaults=momentum_defaults(0.996),
+    families=(Family("--method byol"),),
 )

@@ -25,9 +25,11 @@ from contrastive_accelerate.data.pairs import (
 from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.methods import composition
 from contrastive_accelerate.methods.base import (
     DTYPES,
     INITIAL_LOGIT_SCALE,
+    Family,
     Method,
     MethodRow,
     Say,
@@ -42,6 +44,17 @@ from models.dropout import switch_off_kernel_dropout
 PAIR_LOSSES = ("mnrl", "infonce", "siglip")
 TEXT_PAIR_LOSSES = ("mnrl",)
 IMAGE_TEXT_LOSSES = ("infonce", "siglip")
+
+#: The two kinds of pairs, as the data tell them apart: text pairs read any source and
+#: take no image; image-text pairs take every image tower but no mixture yet.
+TEXT_PAIRS = Family(
+    "--method pairs (text pairs)", ("table", "stream", "mixture"), None,
+    reads=("gradient_checkpointing",),
+)  # fmt: skip
+IMAGE_TEXT = Family(
+    "--method pairs (image-text)", ("table", "stream"), ("scratch", "transformers", "clip"),
+    reads=("gradient_checkpointing",),
+)  # fmt: skip
 
 #: LoRA adapters on the transformers towers (``models.lora``).
 LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_towers")
@@ -113,6 +126,7 @@ def pair_data(config) -> PairData:
             shuffle_buffer=config.shuffle_buffer, mixture=config.mixture,
             weights=[float(w) for w in weights.split(",")] if weights else None,
             temperature=config.mixture_temperature,
+            images_refused=composition.refusal(IMAGE_TEXT, "mixture", None),
         )  # fmt: skip
     columns = split_columns(config.columns)
     if config.streaming:
@@ -193,6 +207,7 @@ def check_data(config, data: PairData) -> None:
             "--columns needs --text-model: a transformers model directory, a hub name, or "
             "scratch (a small BERT from random weights); or, for image-text, --clip-model"
         )
+    composition.check_family(config, family(data))
     if data.image_column is None:
         if (config.loss or "mnrl") not in TEXT_PAIR_LOSSES:
             raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl")
@@ -242,6 +257,11 @@ def reads(config) -> tuple[str, ...]:
     return everything
 
 
+def family(data: PairData) -> Family:
+    """Text or image-text pairs, as ``data``'s columns are."""
+    return TEXT_PAIRS if data.image_column is None else IMAGE_TEXT
+
+
 PAIRS = MethodRow(
     build,
     pair_data,
@@ -250,6 +270,7 @@ PAIRS = MethodRow(
     defaults=defaults,
     check=check,
     check_data=check_data,
+    families=(TEXT_PAIRS, IMAGE_TEXT),
 )
 
 

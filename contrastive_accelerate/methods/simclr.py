@@ -23,6 +23,7 @@ from contrastive_accelerate.methods.base import (
     DTYPES,
     INITIAL_LOGIT_SCALE,
     SIMCLR_HEAD,
+    Family,
     Method,
     MethodRow,
     Say,
@@ -268,4 +269,5 @@ SIMCLR = MethodRow(
     defaults=defaults,
     check=check,
     check_data=check_data,
+    families=(Family("--method simclr"),),
 )

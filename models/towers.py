@@ -1,0 +1,215 @@
+"""The image towers trained from scratch (``--model``): one row of ``IMAGE_TOWERS``
+each, which says what the tower is made of and builds it.
+
+A row is what the options and the methods ask of a tower: the options it reads
+(``options``: set for a tower without them, they are refused), whether it holds
+BatchNorm (the heads on it have BatchNorm too, as in the papers; SyncBatchNorm and
+gradient caching care), whether it takes other input sizes than ``--image-size``
+(DINO's local crops), and ``build``, which makes the encoder and says its width. Every
+tower starts from random weights: nothing downloads.
+
+Adding a tower, a checklist: its builder and one row here; its tests grow from the
+table (``tests/test_towers.py`` builds every row and checks what it says).
+
+Example::
+
+    encoder, width = IMAGE_TOWERS["resnet18"].build(32, 3, 0.0, 0.0)
+    features = encoder(images)                   # (batch, width)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torchvision.ops import StochasticDepth
+
+#: Vision Transformers (Dosovitskiy et al., 2021) in DeiT's sizes (Touvron et al., 2021):
+#: layers, heads, width, MLP width.
+VIT_SIZES = {"vit_tiny": (12, 3, 192, 768), "vit_small": (12, 6, 384, 1536)}
+#: Images of at most this many pixels get the CIFAR stem on a ResNet (3x3 stride-1 conv,
+#: no max-pool), as in the SimCLR paper's CIFAR-10 runs.
+SMALL_IMAGE_MAX_SIZE = 64
+#: The mlp's hidden width.
+MLP_WIDTH = 256
+
+
+@dataclass(frozen=True)
+class ImageTower:
+    """One ``--model``: what it is made of, and how it is built."""
+
+    #: ``build(image_size, in_channels, dropout, drop_path) -> (encoder, feature width)``.
+    build: Callable[[int, int, float, float], tuple[nn.Module, int]]
+    #: The options of ``TOWER_OPTIONS`` it reads.
+    options: tuple[str, ...]
+    #: Whether it has BatchNorm layers (then the heads on it have BatchNorm too).
+    batch_norm: bool
+    #: Whether it takes inputs at other sizes than ``image_size`` (DINO's local crops).
+    any_input_size: bool
+    #: Whether its output is a linear layer's (a head on it starts with a ReLU).
+    linear_output: bool = False
+    #: ``--dropout`` when left at None.
+    default_dropout: float = 0.0
+    #: ``patch_size(image_size)``, for a tower of patches; None: not one.
+    patch_size: Callable[[int], int] | None = None
+
+
+def resnet(name: str) -> Callable[[int, int, float, float], tuple[nn.Module, int]]:
+    """A torchvision ResNet without its classifier; the CIFAR stem for small images."""
+
+    def build(image_size: int, in_channels: int, dropout: float, drop_path: float):
+        network = torchvision.models.get_model(name, weights=None)
+        if image_size <= SMALL_IMAGE_MAX_SIZE:  # CIFAR stem: keep the few pixels there are
+            network.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1,
+                                      bias=False)  # fmt: skip
+            network.maxpool = nn.Identity()
+        elif in_channels != 3:
+            network.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3,
+                                      bias=False)  # fmt: skip
+        width = network.fc.in_features
+        network.fc = nn.Identity()
+        return network, width
+
+    return build
+
+
+def vision_transformer(name: str) -> Callable[[int, int, float, float], tuple[nn.Module, int]]:
+    """torchvision's ViT in ``VIT_SIZES[name]``, of any input size (``MultiResolutionViT``),
+    the class token as feature."""
+
+    def build(image_size: int, in_channels: int, dropout: float, drop_path: float):
+        if in_channels != 3:
+            raise ValueError(f"{name} takes 3 channels, not {in_channels}")
+        network = _vision_transformer(name, image_size, dropout, drop_path)
+        return network, network.hidden_dim
+
+    return build
+
+
+def mlp(image_size: int, in_channels: int, dropout: float, drop_path: float):
+    """A small BatchNorm-free encoder of flattened pixels, for fast exactness checks."""
+    network = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(in_channels * image_size * image_size, MLP_WIDTH),
+        nn.ReLU(),
+        *([nn.Dropout(dropout)] if dropout else []),
+        nn.Linear(MLP_WIDTH, MLP_WIDTH),
+    )
+    return network, MLP_WIDTH
+
+
+def vit_patch_size(image_size: int) -> int:
+    """The ViTs' patch size at ``image_size``: 16 pixels above 64 px, else ``image_size / 8``."""
+    return 16 if image_size > 64 else max(1, image_size // 8)
+
+
+def _vision_transformer(name: str, image_size: int, dropout: float, drop_path: float) -> nn.Module:
+    layers, heads, width, mlp_width = VIT_SIZES[name]
+    patch_size = vit_patch_size(image_size)
+    if image_size % patch_size:
+        raise ValueError(
+            f"{name} at image size {image_size} needs it divisible by its patch size {patch_size}"
+        )
+    vit = MultiResolutionViT(
+        image_size=image_size,
+        patch_size=patch_size,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=width,
+        mlp_dim=mlp_width,
+        dropout=dropout,
+        attention_dropout=0.0,  # drawn inside nn.MultiheadAttention: not per-sample
+    )
+    vit.heads = nn.Identity()  # the class token's features
+    if drop_path:  # DINO's rates: linear from 0 at the first block to drop_path at the last
+        blocks = vit.encoder.layers
+        for index, name in enumerate(list(blocks._modules)):
+            rate = drop_path * index / max(len(blocks) - 1, 1)
+            blocks._modules[name] = _StochasticDepthBlock(blocks._modules[name], rate)
+    return vit
+
+
+class MultiResolutionViT(torchvision.models.VisionTransformer):
+    """torchvision's ``VisionTransformer`` for square inputs of any size that the patch
+    size divides, as DINO's ViT takes its local crops: at another size than
+    ``image_size`` the patch position embeddings are resized to the patch grid by
+    DINO's bicubic ``interpolate_pos_encoding`` (the class token's is kept). At
+    ``image_size`` it is torchvision's forward, with the same state names.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, height, width = x.shape
+        if height != width or height % self.patch_size:
+            raise ValueError(
+                f"the ViT takes square inputs divisible by {self.patch_size} px, got "
+                f"{height}x{width}"
+            )
+        patches = self.conv_proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(n, -1, -1), patches], dim=1)
+        x = x + self.position_embedding(height // self.patch_size)
+        encoder = self.encoder
+        return self.heads(encoder.ln(encoder.layers(encoder.dropout(x)))[:, 0])
+
+    def position_embedding(self, grid: int) -> torch.Tensor:
+        """``(1, 1 + grid**2, hidden)``: the class token's embedding, then the patches'
+        resized from the trained grid to ``grid x grid``. DINO adds 0.1 to the grid in
+        the scale factor so that flooring gives the intended size (dino #8)."""
+        embedding = self.encoder.pos_embedding
+        trained = self.image_size // self.patch_size
+        if grid == trained:
+            return embedding
+        patches = embedding[:, 1:].reshape(1, trained, trained, -1).permute(0, 3, 1, 2)
+        scale = (grid + 0.1) / trained
+        patches = F.interpolate(patches, scale_factor=(scale, scale), mode="bicubic")
+        patches = patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)
+        return torch.cat([embedding[:, :1], patches], dim=1)
+
+
+class _StochasticDepthBlock(nn.Module):
+    """torchvision's ``EncoderBlock`` with stochastic depth on both residual branches
+    (``StochasticDepth(rate, "row")``, which ``convert_sample_dropout`` keys by sample);
+    its submodules keep their names, so its state is the block's."""
+
+    def __init__(self, block: nn.Module, rate: float) -> None:
+        super().__init__()
+        self.ln_1, self.self_attention, self.dropout = (
+            block.ln_1,
+            block.self_attention,
+            block.dropout,
+        )
+        self.ln_2, self.mlp = block.ln_2, block.mlp
+        self.drop_path_attention = StochasticDepth(rate, "row")
+        self.drop_path_mlp = StochasticDepth(rate, "row")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = self.ln_1(input)
+        x, _ = self.self_attention(x, x, x, need_weights=False)
+        x = input + self.drop_path_attention(self.dropout(x))
+        return x + self.drop_path_mlp(self.mlp(self.ln_2(x)))
+
+
+#: What only the towers read; each tower reads its row's ``options``.
+TOWER_OPTIONS = ("dropout", "drop_path", "gradient_checkpointing")
+_RESNET = {"options": ("gradient_checkpointing",), "batch_norm": True, "any_input_size": True}
+_VIT = {"options": TOWER_OPTIONS, "batch_norm": False, "any_input_size": True,
+        "default_dropout": 0.1}  # fmt: skip
+
+IMAGE_TOWERS: dict[str, ImageTower] = {
+    "resnet18": ImageTower(resnet("resnet18"), **_RESNET),
+    "resnet34": ImageTower(resnet("resnet34"), **_RESNET),
+    "resnet50": ImageTower(resnet("resnet50"), **_RESNET),
+    "vit_tiny": ImageTower(vision_transformer("vit_tiny"), **_VIT, patch_size=vit_patch_size),
+    "vit_small": ImageTower(vision_transformer("vit_small"), **_VIT, patch_size=vit_patch_size),
+    "mlp": ImageTower(
+        mlp, ("dropout",), batch_norm=False, any_input_size=False, linear_output=True
+    ),  # fmt: skip
+}
+
+
+def towers_reading(option: str) -> tuple[str, ...]:
+    """The towers whose rows read ``option``."""
+    return tuple(name for name, row in IMAGE_TOWERS.items() if option in row.options)

@@ -1,0 +1,282 @@
+"""The composition matrix (``methods.composition.cells``): every family of every row of
+``METHODS`` with every kind of image tower and of source, each cell trained or refused.
+
+- A cell that trains trains the same model on 1 process, on 2, and on 2 with
+  ``--fsdp``: float64, 20 rows in global batches of 6 (each epoch ends with a batch of
+  2), 5 steps, every tensor of ``final/`` within ``EXACT``.
+- A cell that is refused stops in one line with the cell's own reason
+  (``composition.refusal``), before any step; the timm column has no option yet, so
+  every family refuses it.
+- ``docs/composition.md`` is the page the table generates.
+
+The cells come from the table: a family that gains a kind of source or tower is trained
+here at once, and a new family fails until ``FAMILY_FLAGS`` has its command line.
+The controls: per-process dropout masks break the 1-vs-2 equality of every method's
+table cell, and a family whose row claims streams is not refused them (the reason is
+the table's, not a hand-written ``if``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from contrastive_accelerate.config import ConfigError, parse_args
+from contrastive_accelerate.methods import METHODS
+from contrastive_accelerate.methods.composition import PAGE, TOWERS, Cell, cells, page
+from trainer import TrainConfig
+
+from launch import (
+    REPO,
+    TrainerRuns,
+    final_files_difference,
+    make_digit_tar_shards,
+    make_sentence_pairs,
+    make_text_pair_shards,
+    train_pooled,
+)
+
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+COMMON = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "5", "--save-every", "2",
+          "--knn-k", "0", "--num-workers", "0", "--log-every", "5"]  # fmt: skip
+IMAGES = ["--model", "mlp", "--image-size", "8", "--dropout", "0.1", "--lr", "0.1"]
+TEXT = ["--max-length", "8", "--lr", "1e-3"]
+#: Each family's own flags (its data are added by ``command``).
+FAMILY_FLAGS = {
+    "--method simclr": [*IMAGES, "--method", "simclr"],
+    "--method moco": [*IMAGES, "--method", "moco", "--queue-size", "10"],
+    "--method byol": [*IMAGES, "--method", "byol"],
+    "--method dino": [*IMAGES, "--method", "dino", "--dino-out-dim", "64"],
+    "--method pairs (text pairs)": ["--columns", "anchor,positive,negative_1", *TEXT],
+    "--method pairs (image-text)": ["--image-size", "8", *TEXT],
+}
+CONTROL = ("--dropout-masks", "per-process")
+CELLS = cells(METHODS)
+TRAINED = [cell for cell in CELLS if cell.reason is None]
+REFUSED = [cell for cell in CELLS if cell.reason is not None and cell.tower != "timm"]
+
+
+def name(cell: Cell) -> str:
+    return f"{cell.family.name}, {cell.tower or 'no image'} tower, {cell.source}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return TrainerRuns(tmp_path_factory, *COMMON)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, image_folder, sentence_pairs, captioned_images, tiny_bert, tiny_vit,
+         tiny_clip) -> dict[str, str]:  # fmt: skip
+    root = tmp_path_factory.mktemp("composition")
+    return {
+        "images": image_folder, "pairs": sentence_pairs, "captioned": captioned_images,
+        "bert": tiny_bert, "vit": tiny_vit, "clip": tiny_clip,
+        "more pairs": str(make_sentence_pairs(root / "more.jsonl", 11, seed=6)),
+        "text shards": str(make_text_pair_shards(root / "text", [7, 11, 5])),
+        "image shards": str(make_digit_tar_shards(root / "tar", [7, 11, 5])),
+    }  # fmt: skip
+
+
+def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
+    """The cell's command line: the family's flags, its tower's and its source's."""
+    family = cell.family.name
+    text_pairs, image_text = family.endswith("(text pairs)"), family.endswith("(image-text)")
+    tables = {"images": data["images"], "pairs": data["pairs"], "image-text": data["captioned"]}
+    kind = "pairs" if text_pairs else "image-text" if image_text else "images"
+    if cell.source == "table":
+        source = ["--dataset", tables[kind]]
+    elif cell.source == "mixture":
+        second = data["more pairs"] if text_pairs else tables[kind]
+        source = ["--dataset", tables[kind], "--dataset", second]
+    else:
+        shards = data["text shards"] if text_pairs else data["image shards"]
+        source = ["--streaming", "--dataset", shards, "--shuffle-buffer", "4"]
+    tower = {None: [], "scratch": [], "transformers": ["--image-model", data["vit"]],
+             "clip": ["--clip-model", data["clip"]]}[cell.tower]  # fmt: skip
+    if text_pairs:
+        tower = ["--text-model", data["bert"]]
+    elif image_text:  # a text tower from scratch beside the image tower, but CLIP's own
+        tower += {"scratch": ["--model", "mlp", "--dropout", "0.1", "--text-model", "scratch"],
+                  "transformers": ["--text-model", "scratch"], "clip": []}[cell.tower]  # fmt: skip
+    columns = []
+    if image_text:
+        columns = ["--columns", "png,txt" if cell.source == "stream" else "image,caption"]
+    return (*FAMILY_FLAGS[family], *source, *tower, *columns)
+
+
+def test_the_matrix_page_is_the_generated_one():
+    assert (REPO / PAGE).read_text() == page(METHODS), (
+        f"{PAGE} is not current: python -m contrastive_accelerate.methods"
+    )
+
+
+def test_every_family_has_its_flags_and_the_timm_column_is_refused_everywhere():
+    assert {cell.family.name for cell in CELLS} == set(FAMILY_FLAGS)
+    assert set(TOWERS) >= {cell.tower for cell in CELLS if cell.tower}
+    assert all(cell.reason for cell in CELLS if cell.tower == "timm")
+    assert {"timm"} == set(TOWERS) - {"scratch", "transformers", "clip"}  # no option names it
+
+
+@pytest.mark.parametrize("cell", TRAINED, ids=name)
+def test_a_cell_that_trains_trains_one_model_on_1_and_2_processes_and_with_fsdp(runs, data, cell):
+    flags = command(cell, data)
+    one = runs(1, *flags)
+    for processes, extra in ((2, ()), (2, ("--fsdp",))):
+        error = final_files_difference(one, runs(processes, *flags, *extra))
+        print(f"{name(cell)}: 1 process vs {processes} {' '.join(extra)}: {error:.1e}")
+        assert error <= EXACT
+
+
+@pytest.mark.parametrize("cell", REFUSED, ids=name)
+def test_a_refused_cell_stops_in_one_line_with_its_reason(data, cell, tmp_path):
+    flags = [*COMMON, *command(cell, data), "--output-dir", str(tmp_path / "run")]
+    try:
+        parse_args(TrainConfig, flags)
+    except ConfigError as error:  # the options tell the family
+        assert str(error) == cell.reason
+        return
+    result = train_pooled(1, *flags, check=False)  # only the data tell it
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode != 0 and lines[-1].startswith(f"error: {cell.reason}: "), lines
+    assert not (tmp_path / "run" / "checkpoint-2").exists()
+
+
+def test_control_a_row_that_claims_streams_is_not_refused_them(monkeypatch):
+    streamed = ["--dataset", "shards", "--streaming", "--max-steps", "2"]
+    with pytest.raises(ConfigError, match="--method byol trains on a table, not on streamed"):
+        parse_args(TrainConfig, ["--method", "byol", *streamed])
+    byol = METHODS["byol"]
+    claims = dataclasses.replace(byol.families[0], sources=("table", "stream"))
+    monkeypatch.setitem(METHODS, "byol", dataclasses.replace(byol, families=(claims,)))
+    assert parse_args(TrainConfig, ["--method", "byol", *streamed]).streaming
+
+
+# Each row of METHODS: its options, its table cell's control, and a mid-epoch resume.
+
+#: Each method's first family on a table, from scratch.
+TABLE_CELLS = {
+    method: next(cell for cell in TRAINED if cell.family == row.families[0]
+                 and cell.source == "table" and cell.tower in (None, "scratch"))
+    for method, row in METHODS.items()
+}  # fmt: skip
+
+
+def test_every_method_declares_its_options_and_families():
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    for method, row in METHODS.items():
+        assert set(row.options) <= fields, method
+        assert row.families, f"{method} declares no family"
+        resolved = TrainConfig(method=method, columns="a,b" if method == "pairs" else None)
+        assert resolved.resolved().method == method
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_control_per_process_dropout_masks_break_it(runs, data, method):
+    flags = command(TABLE_CELLS[method], data)
+    error = final_files_difference(runs(1, *flags), runs(2, *flags, *CONTROL))
+    print(f"{method}, per-process dropout masks, 1 vs 2 processes: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one(runs, data, method, tmp_path):
+    flags = command(TABLE_CELLS[method], data)
+    straight = runs(2, *flags)
+    resumed: Path = tmp_path / "resumed"
+    train_pooled(
+        1, *COMMON, *flags, "--output-dir", str(resumed),
+        "--resume-from", str(straight / "checkpoint-2"),
+    )  # fmt: skip
+    error = final_files_difference(straight, resumed)
+    print(f"{method}, resumed at step 2 on 1 process vs 2 straight: {error:.1e}")
+    assert error <= EXACT
+
+
+# A new method is one module and one row: nothing else changes for it to be checked,
+# refused where it does not apply, and trained exactly.
+
+TOY_MODULE = '''
+"""A toy method: two views through the image tower, NT-Xent at a fixed temperature."""
+from contrastive_accelerate.methods.base import (
+    SIMCLR_HEAD, Family, Method, MethodRow, embed_two_views, image_data, image_model,
+    two_views_dataset, view_halves,
+)
+from losses import NTXentLoss
+
+
+class Toy(Method):
+    def __init__(self, config, data, world_size, say, *, total_steps=None, device="cpu"):
+        self.seed = config.seed
+        self.dataset = two_views_dataset(config, data)
+        self.model = image_model(config, world_size, say, SIMCLR_HEAD)
+        self.criterion = NTXentLoss(0.3)
+
+    def embed(self, model, chunk, step):
+        return embed_two_views(model, chunk, self.seed, step)
+
+    def loss(self, outputs, batch, sizes, step):
+        return self.criterion(*view_halves(outputs), sizes=sizes)
+
+
+TOY = MethodRow(Toy, image_data, families=(Family("--method toy"),))
+'''
+
+
+@contextlib.contextmanager
+def toy_row(package: str) -> Iterator[None]:
+    """``METHODS`` with the toy's row, its module imported from ``package``, as a project
+    that adds the row has it; everything put back afterwards."""
+    sys.path.insert(0, package)
+    try:
+        METHODS["toy"] = importlib.import_module("toy_methods.toy").TOY
+        yield
+    finally:
+        METHODS.pop("toy", None)
+        sys.path.remove(package)
+        for module in [name for name in sys.modules if name.startswith("toy_methods")]:
+            del sys.modules[module]
+
+
+def test_a_toy_method_of_one_module_and_one_row_is_checked_refused_and_trained(
+    image_folder, tmp_path
+):
+    (tmp_path / "toy_methods").mkdir()
+    (tmp_path / "toy_methods" / "__init__.py").write_text("")
+    (tmp_path / "toy_methods" / "toy.py").write_text(TOY_MODULE)
+    streamed = ["--streaming", "--dataset", "shards", "--max-steps", "2"]
+    refused = {
+        "--method toy trains on a table, not on streamed shards (--streaming)": streamed,
+        "--queue-size does not apply to --method toy": ["--queue-size", "8"],
+        "--method toy trains a tower from scratch (--model), not a transformers vision tower "
+        "(--image-model)": ["--image-model", "vit"],
+    }
+    with toy_row(str(tmp_path)):
+        for reason, flags in refused.items():
+            with pytest.raises(ConfigError) as error:
+                parse_args(TrainConfig, ["--method", "toy", *flags])
+            assert str(error.value) == reason
+        assert parse_args(TrainConfig, ["--method", "toy", "--model", "vit_tiny",
+                                        "--drop-path", "0.1"]).drop_path == 0.1  # fmt: skip
+        toy = [cell for cell in cells(METHODS) if cell.method == "toy"]
+        assert [(cell.tower, cell.source) for cell in toy if cell.reason is None] == [
+            ("scratch", "table")
+        ]
+        assert len(toy) == len(TOWERS) * 3 and "--method toy" in page(METHODS)
+    assert "toy" not in METHODS
+    flags = ["--method", "toy", *COMMON, *IMAGES, "--dataset", image_folder]
+    runs = {}
+    for processes in (1, 2):
+        runs[processes] = tmp_path / f"on-{processes}"
+        train_pooled(processes, *flags, "--output-dir", str(runs[processes]),
+                     within=functools.partial(toy_row, str(tmp_path)))  # fmt: skip
+    error = final_files_difference(runs[1], runs[2])
+    print(f"the toy method, 1 vs 2 processes: {error:.1e}")
+    assert error <= EXACT
