@@ -38,7 +38,6 @@ from contrastive_accelerate.methods import (
     LOSSES,
     METHOD_OPTIONS,
     METHODS,
-    PAIR_LOSSES,
     composition,
 )
 from contrastive_accelerate.optim import OPTIMIZERS
@@ -118,7 +117,7 @@ class TrainConfig:
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str | None = option(
         None, "objective, exact on any number of processes; none: ntxent, pairs: mnrl / infonce",
-        choices=tuple(dict.fromkeys((*LOSSES, *PAIR_LOSSES))),
+        choices=LOSSES,
     )  # fmt: skip
     temperature: float | None = option(
         None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",

@@ -15,8 +15,8 @@ from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods import (
     DINO_OPTIONS,
     LORA_OPTIONS,
-    LOSSES,
     METHOD_OPTIONS,
+    SIMCLR_LOSSES,
     TEXT_OPTIONS,
 )
 from contrastive_accelerate.options import MIXTURE_OPTIONS, STREAMING_OPTIONS, check_data
@@ -59,7 +59,7 @@ COMPANIONS = {
     **{name: ["--method", "dino"] for name in DINO_OPTIONS},
     **{
         name: ["--loss", loss]
-        for loss, row in LOSSES.items()
+        for loss, row in SIMCLR_LOSSES.items()
         for name in row.options
         if name != "temperature"
     },  # fmt: skip
@@ -189,7 +189,9 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     mixed = {"dataset": ["one", "two"], "max_steps": 5, "columns": ["a,b", "a,b,c"]}
     files += [{**mixed, name: VALUES[name]} for name in MIXTURE_OPTIONS]
     # Each loss's own options, in a file of its own.
-    files += [{"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in LOSSES.items()]
+    files += [
+        {"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in SIMCLR_LOSSES.items()
+    ]
     for values in files:
         values = {name: value for name, value in values.items() if value is not None}
         path = tmp_path / f"run{suffix}"

@@ -19,7 +19,7 @@ from torch import nn
 
 from contrastive_accelerate.data import TwoViewBatch, load_image_dataset
 from contrastive_accelerate.grad_cache import cached_backward
-from contrastive_accelerate.methods import LOSSES, SimCLRMethod
+from contrastive_accelerate.methods import SIMCLR_LOSSES, SimCLRMethod
 from contrastive_accelerate.testing import run_on_ranks
 from losses import InfoNCELoss, NTXentLoss
 from models import SimCLR, convert_sample_dropout, sample_keys, sample_randomness
@@ -235,10 +235,10 @@ def digits():
     return load_image_dataset(None)
 
 
-@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("loss", list(SIMCLR_LOSSES))
 def test_every_loss_through_the_methods_chunks(loss, digits):
     """The SimCLR method's own chunk embedding and loss assembly, K = 4 against K = 1."""
-    temperature = {"temperature": 0.3} if "temperature" in LOSSES[loss].options else {}
+    temperature = {"temperature": 0.3} if "temperature" in SIMCLR_LOSSES[loss].options else {}
     config = TrainConfig(loss=loss, model="mlp", dtype="float64", dropout=0.1, **temperature)
     torch.manual_seed(0)
     method = SimCLRMethod(config.resolved(), digits, world_size=1, say=print)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from contrastive_accelerate.data import load_image_dataset, share_sizes
 from contrastive_accelerate.grad_cache import cached_backward
-from contrastive_accelerate.methods import LOSSES, METHODS
+from contrastive_accelerate.methods import METHODS, SIMCLR_LOSSES
 from contrastive_accelerate.optim import make_optimizer
 from contrastive_accelerate.ranks import StepChecks
 from contrastive_accelerate.testing import HostSyncs, run_on_ranks
@@ -37,7 +37,7 @@ BATCH = 7  # odd: the two ranks hold 4 and 3 samples
 #: NT-Xent and Barlow Twins (whose projector has BatchNorm too): a loss's reads do not depend
 #: on the encoder, nor SyncBatchNorm's on the loss. Then the other methods, on the mlp:
 #: their steps add a teacher, a queue and a center, whose code paths do not depend on it.
-CASES = [(name, "mlp", chunks) for name in LOSSES for chunks in (1, 3)]
+CASES = [(name, "mlp", chunks) for name in SIMCLR_LOSSES for chunks in (1, 3)]
 CASES += [("ntxent", "resnet18", 1), ("ntxent", "resnet18", 3), ("barlowtwins", "resnet18", 1)]
 CASES += [
     (method, "mlp", chunks)
@@ -53,7 +53,7 @@ FSDP_CASES = [("ntxent", "mlp", 3), ("siglip", "mlp", 1), ("byol", "resnet18", 3
 
 def _config(name: str, model: str, chunks: int) -> TrainConfig:
     shared = {"model": model, "accumulation_chunks": chunks, "batch_size": BATCH}
-    if name in LOSSES:
+    if name in SIMCLR_LOSSES:
         return TrainConfig(loss=name, **shared).resolved()
     queue = {"queue_size": 10} if name == "moco" else {}  # pushed and wrapped every step
     return TrainConfig(method=name, **queue, **shared).resolved()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from contrastive_accelerate.ckpt_diff import max_abs_diff
-from contrastive_accelerate.methods import LOSSES
+from contrastive_accelerate.methods import SIMCLR_LOSSES
 
 from launch import make_image_folder, train_pooled
 
@@ -50,7 +50,9 @@ def runs(tmp_path_factory):
         if key not in cache:
             output = tmp_path_factory.mktemp(f"{loss}-{processes}")
             # The temperature where the loss reads one (elsewhere it is refused).
-            temperature = ["--temperature", "0.3"] if "temperature" in LOSSES[loss].options else []
+            temperature = (
+                ["--temperature", "0.3"] if "temperature" in SIMCLR_LOSSES[loss].options else []
+            )
             args = ["--loss", loss, "--model", *MODELS[loss], *COMMON, *temperature, *extra]
             train_pooled(processes, *args, "--output-dir", str(output))
             cache[key] = output

@@ -7,9 +7,10 @@ it reads (set for another method, they are refused), its defaults and its refusa
 which ``TrainConfig`` applies before anything is built, and its families: the kinds of
 source and of image tower it trains on, against which ``composition`` refuses the
 others, with the one reason each, and draws the matrix (docs/composition.md). Each
-method family is one module: ``simclr`` (with the table of its losses, ``LOSSES``),
-``momentum`` (MoCo v3, BYOL), ``dino``, and ``pairs`` (``text_pairs`` and
-``image_text``, as the data are).
+method family is one module: ``simclr``, ``momentum`` (MoCo v3, BYOL), ``dino``, and
+``pairs`` (``text_pairs`` and ``image_text``, as the data are); every ``--loss`` of
+every method is a row of one table, ``loss_table.LOSSES``, and a family names the rows
+it takes (``Family.losses``).
 
 Adding a method, a checklist:
 
@@ -32,9 +33,10 @@ from __future__ import annotations
 
 from contrastive_accelerate.methods.base import DTYPES, Method, MethodRow
 from contrastive_accelerate.methods.dino import DINO, DINO_OPTIONS
+from contrastive_accelerate.methods.loss_table import LOSSES, LossRow
 from contrastive_accelerate.methods.momentum import BYOL, MOCO, TEACHER_OPTIONS
 from contrastive_accelerate.methods.pairs import LORA_OPTIONS, PAIR_LOSSES, PAIRS, TEXT_OPTIONS
-from contrastive_accelerate.methods.simclr import LOSSES, SIMCLR, SimCLRMethod
+from contrastive_accelerate.methods.simclr import SIMCLR, SIMCLR_LOSSES, SimCLRMethod
 
 METHODS: dict[str, MethodRow] = {
     "simclr": SIMCLR,
@@ -52,6 +54,8 @@ __all__ = [
     "DTYPES",
     "LORA_OPTIONS",
     "LOSSES",
+    "SIMCLR_LOSSES",
+    "LossRow",
     "METHODS",
     "METHOD_OPTIONS",
     "PAIR_LOSSES",

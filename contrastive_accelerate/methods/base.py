@@ -128,6 +128,9 @@ class Family:
     #: The options of ``models.towers.TOWER_OPTIONS`` that its other towers read (a text
     #: tower's ``--gradient-checkpointing``), whatever ``--model`` reads.
     reads: tuple[str, ...] = ()
+    #: The ``--loss`` rows it takes (``methods.loss_table.LOSSES``), the first its default;
+    #: none: it has a loss of its own.
+    losses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,9 @@ def image_data(config) -> ImageData:
     return load_image_dataset(config.dataset, **dataset_options(config))
 
 
+#: SimCLR's projection head (layers, hidden width, output width), which the other image
+#: methods' heads share.
 SIMCLR_HEAD = (2, 512, 128)
-
-#: The CLIP-style losses' initial learnable scale: CLIP's 1 / 0.07, SigLIP's 10.
-INITIAL_LOGIT_SCALE = {"infonce": 1 / 0.07, "siglip": 10.0}
 
 
 def image_model(config, world_size: int, say: Say, head: tuple[int, int, int], **heads) -> SimCLR:

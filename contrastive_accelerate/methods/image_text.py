@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from contrastive_accelerate.data import evaluation_images
@@ -23,6 +22,7 @@ from contrastive_accelerate.methods.base import (
     image_model,
     view_halves,
 )
+from contrastive_accelerate.methods.loss_table import LOSSES
 from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     adapted,
@@ -36,10 +36,8 @@ from contrastive_accelerate.methods.pairs import (
     tower_dropout,
     weights_digest,
 )
-from contrastive_accelerate.methods.simclr import shared, tiled
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
-from losses import InfoNCELoss, SigLIPLoss
 from models import sample_keys
 
 #: CLIP clamps its learnable logit scale at 100.
@@ -90,11 +88,8 @@ class ImageTextMethod(PairsMethod):
             config.augment,
             **augmentation_options(config),
         )
-        self.criterion = (
-            SigLIPLoss(tile_columns=config.loss_tile_rows, **shared(config))
-            if self.loss_name == "siglip"
-            else InfoNCELoss(**tiled(config))
-        )
+        self.row = LOSSES[self.loss_name]
+        self.criterion = self.row.make(config)
         self.template = config.zero_shot_template
         self.class_names = class_names(data) if self.template else None
         self.evaluation, self.caption_column = data.evaluation, caption_column
@@ -147,12 +142,7 @@ class ImageTextMethod(PairsMethod):
         sizes: Sequence[int] | None,
         step: int,
     ) -> torch.Tensor:
-        images, texts = view_halves(outputs)
-        images, texts = F.normalize(images, dim=1), F.normalize(texts, dim=1)
-        scale = self.model.log_logit_scale.exp()
-        if self.loss_name == "siglip":
-            return self.criterion(images, texts, scale, self.model.logit_bias, sizes=sizes)
-        return self.criterion(images, texts, scale, sizes=sizes)
+        return self.row.call(self.criterion, self.model, list(view_halves(outputs)), None, sizes)
 
     def after_step(self, step: int) -> None:
         """CLIP's clamp of the learnable scale at 100, in place, the same on every rank."""

@@ -28,33 +28,31 @@ from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods import composition
 from contrastive_accelerate.methods.base import (
     DTYPES,
-    INITIAL_LOGIT_SCALE,
     Family,
     Method,
     MethodRow,
     Say,
     dataset_options,
 )
+from contrastive_accelerate.methods.loss_table import INITIAL_LOGIT_SCALE, LOSSES, options_of
 from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
-
-#: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
-#: infonce (CLIP) or siglip.
-PAIR_LOSSES = ("mnrl", "infonce", "siglip")
-TEXT_PAIR_LOSSES = ("mnrl",)
-IMAGE_TEXT_LOSSES = ("infonce", "siglip")
 
 #: The two kinds of pairs, as the data tell them apart: text pairs read any source and
 #: take no image; image-text pairs take every image tower but no mixture yet.
 TEXT_PAIRS = Family(
     "--method pairs (text pairs)", ("table", "stream", "mixture"), None,
-    reads=("gradient_checkpointing",),
+    reads=("gradient_checkpointing",), losses=("mnrl",),
 )  # fmt: skip
 IMAGE_TEXT = Family(
     "--method pairs (image-text)", ("table", "stream"), ("scratch", "transformers", "clip"),
-    reads=("gradient_checkpointing",),
+    reads=("gradient_checkpointing",), losses=("infonce", "siglip"),
 )  # fmt: skip
+#: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
+#: infonce (CLIP) or siglip.
+TEXT_PAIR_LOSSES, IMAGE_TEXT_LOSSES = TEXT_PAIRS.losses, IMAGE_TEXT.losses
+PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 
 #: LoRA adapters on the transformers towers (``models.lora``).
 LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_towers")
@@ -72,8 +70,7 @@ TEXT_OPTIONS = (
     "two_towers",
     "unique_texts",
     "projection_dim",
-    "mnrl_scale",
-    "mnrl_symmetric",
+    *options_of(TEXT_PAIR_LOSSES),
     "attention_mask",
 )
 
@@ -226,7 +223,7 @@ def check_data(config, data: PairData) -> None:
     loss = config.loss or IMAGE_TEXT_LOSSES[0]
     if loss not in IMAGE_TEXT_LOSSES:
         raise TrainerError(f"--loss {config.loss}: image-text pairs train with infonce or siglip")
-    unread = (*TEXT_PAIR_OPTIONS, *(() if loss == "siglip" else ("logit_bias_init",)))
+    unread = (*TEXT_PAIR_OPTIONS, *(n for n in SCALE_OPTIONS if n not in LOSSES[loss].options))
     for name in unread:
         if is_set(config, name):
             raise TrainerError(
@@ -240,9 +237,9 @@ def check_data(config, data: PairData) -> None:
 
 
 #: What image-text pairs never read (one tower per kind, InfoNCE or SigLIP): set, refused.
-TEXT_PAIR_OPTIONS = ("two_towers", "mnrl_scale", "mnrl_symmetric")
+TEXT_PAIR_OPTIONS = ("two_towers", *options_of(TEXT_PAIR_LOSSES))
 #: The learnable scale of image-text pairs, and SigLIP's bias.
-SCALE_OPTIONS = ("logit_scale_init", "logit_bias_init")
+SCALE_OPTIONS = options_of(IMAGE_TEXT_LOSSES)
 
 
 def reads(config) -> tuple[str, ...]:
@@ -252,7 +249,8 @@ def reads(config) -> tuple[str, ...]:
     if config.loss in TEXT_PAIR_LOSSES:
         return tuple(name for name in everything if name not in (*IMAGE_OPTIONS, *SCALE_OPTIONS))
     if config.loss in IMAGE_TEXT_LOSSES:
-        unread = (*TEXT_PAIR_OPTIONS, *(() if config.loss == "siglip" else ("logit_bias_init",)))
+        unread = (*TEXT_PAIR_OPTIONS,
+                  *(n for n in SCALE_OPTIONS if n not in LOSSES[config.loss].options))  # fmt: skip
         return tuple(name for name in everything if name not in unread)
     return everything
 

@@ -1,14 +1,13 @@
 """The SimCLR family: two augmented views of each image through one encoder and head,
 scored by one of ``LOSSES`` over the global batch (Chen et al., 2020).
 
-Adding a loss to it is one row of ``LOSSES``, its option fields on ``TrainConfig``
-(``contrastive_accelerate.options``) and its tests.
+Adding a loss to it is one row of ``methods.loss_table.LOSSES`` (its checklist is
+there) and its name in ``SIMCLR_FAMILY.losses``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,8 +20,6 @@ from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     DTYPES,
-    INITIAL_LOGIT_SCALE,
-    SIMCLR_HEAD,
     Family,
     Method,
     MethodRow,
@@ -35,125 +32,24 @@ from contrastive_accelerate.methods.base import (
     two_views_dataset,
     view_halves,
 )
-from losses import (
-    BarlowTwinsLoss,
-    DCLLoss,
-    DCLWLoss,
-    InfoNCELoss,
-    MoCoLoss,
-    NTXentLoss,
-    SigLIPLoss,
-    SupConLoss,
-    VICRegLoss,
-)
+from contrastive_accelerate.methods.loss_table import LOSSES, LossRow, options_of, tiled
+from losses import MoCoLoss
 from models.momentum import KeyQueue
 
-
-@dataclass(frozen=True)
-class LossRow:
-    """One ``--loss`` of the SimCLR family."""
-
-    #: Projection head: layers, hidden width, output width.
-    head: tuple[int, int, int]
-    #: The options it reads (besides --loss-tile-rows and the --no-gather control).
-    options: tuple[str, ...]
-    #: The criterion, from the run's options.
-    make: Callable[[Any], nn.Module]
-    #: How it is called: ``call(criterion, model, z0, z1, labels, sizes)``.
-    call: Callable[..., torch.Tensor]
-    #: Its own defaults for options left at None, where they differ from the shared ones.
-    defaults: dict[str, Any] = field(default_factory=dict)
-    #: Whether it needs the dataset's labels.
-    labels: bool = False
-
-
-def _two_views(criterion, model, z0, z1, labels, sizes):
-    return criterion(z0, z1, sizes=sizes)
-
-
-def _with_labels(criterion, model, z0, z1, labels, sizes):
-    return criterion(z0, z1, labels, sizes=sizes)
-
-
-def _clip_style(criterion, model, z0, z1, labels, sizes):
-    """Normalised features and the model's learnable scale (and bias), as in open_clip."""
-    features0, features1 = F.normalize(z0, dim=1), F.normalize(z1, dim=1)
-    scale = model.log_logit_scale.exp()
-    if isinstance(criterion, SigLIPLoss):
-        return criterion(features0, features1, scale, model.logit_bias, sizes=sizes)
-    return criterion(features0, features1, scale, sizes=sizes)
-
-
-def shared(config) -> dict[str, Any]:
-    """The keywords every loss takes from the options: the --no-gather control."""
-    return {"gather_distributed": config.gather}
-
-
-def tiled(config) -> dict[str, Any]:
-    """``shared``, and the rows a tiled loss computes at a time."""
-    return {**shared(config), "tile_rows": config.loss_tile_rows}
-
-
-#: The papers' 3-layer 8192-wide projectors, scaled down for small data.
-REDUNDANCY_HEAD = (3, 1024, 1024)
-# Barlow Twins and VICReg: their papers' LARS at 0.2 (measured on the digits, 4 epochs:
-# kNN 92.2%, where SGD at lr 1e-4..3e-3 fell to 42-83%).
-PAPERS_LARS = {"optimizer": "lars"}
-
-LOSSES: dict[str, LossRow] = {
-    "ntxent": LossRow(
-        SIMCLR_HEAD, ("temperature",), lambda c: NTXentLoss(c.temperature, **tiled(c)), _two_views
-    ),
-    "dcl": LossRow(
-        SIMCLR_HEAD, ("temperature",), lambda c: DCLLoss(c.temperature, **tiled(c)), _two_views
-    ),
-    "dclw": LossRow(
-        SIMCLR_HEAD,
-        ("temperature", "dclw_sigma"),
-        lambda c: DCLWLoss(c.temperature, sigma=c.dclw_sigma, **tiled(c)),
-        _two_views,
-    ),
-    "supcon": LossRow(
-        SIMCLR_HEAD,
-        ("temperature", "supcon_rescale"),
-        lambda c: SupConLoss(c.temperature, rescale=c.supcon_rescale, **tiled(c)),
-        _with_labels,
-        labels=True,
-    ),
-    "infonce": LossRow(
-        SIMCLR_HEAD,
-        ("logit_scale_init",),
-        lambda c: InfoNCELoss(**tiled(c)),
-        _clip_style,
-        defaults={"logit_scale_init": INITIAL_LOGIT_SCALE["infonce"]},
-    ),
-    "siglip": LossRow(
-        SIMCLR_HEAD,
-        ("logit_scale_init", "logit_bias_init"),
-        lambda c: SigLIPLoss(tile_columns=c.loss_tile_rows, **shared(c)),
-        _clip_style,
-        defaults={"logit_scale_init": INITIAL_LOGIT_SCALE["siglip"]},
-    ),
-    "barlowtwins": LossRow(
-        REDUNDANCY_HEAD,
-        ("barlow_lambda",),
-        lambda c: BarlowTwinsLoss(c.barlow_lambda, **shared(c)),
-        _two_views,
-        defaults=PAPERS_LARS,
-    ),
-    "vicreg": LossRow(
-        REDUNDANCY_HEAD,
-        ("vicreg_lambda", "vicreg_mu", "vicreg_nu"),
-        lambda c: VICRegLoss(c.vicreg_lambda, c.vicreg_mu, c.vicreg_nu, **shared(c)),
-        _two_views,
-        defaults=PAPERS_LARS,
-    ),
-}
+#: SimCLR's family: two views on tables, from scratch, and the losses it takes (the
+#: first its default).
+SIMCLR_FAMILY = Family(
+    "--method simclr",
+    losses=("ntxent", "dcl", "dclw", "supcon", "infonce", "siglip", "barlowtwins", "vicreg"),
+)
+#: The rows of its losses.
+SIMCLR_LOSSES: dict[str, LossRow] = {name: LOSSES[name] for name in SIMCLR_FAMILY.losses}
 
 
 class SimCLRMethod(Method):
     """Two augmented views of each image through one encoder and head, scored by
-    ``LOSSES[config.loss]`` over the global batch (SimCLR: Chen et al., 2020).
+    ``LOSSES[config.loss]`` (``methods.loss_table``) over the global batch (SimCLR: Chen
+    et al., 2020).
 
     With ``--queue-size`` (NT-Xent only) the negatives are a queue of past second-view
     embeddings instead of the batch, as lightly's ``NTXentLoss(memory_bank_size=...)``:
@@ -213,7 +109,7 @@ class SimCLRMethod(Method):
             self._new_keys = (F.normalize(z1.detach(), dim=1), sizes)
             return self.criterion(z0, z1, self.queue.keys(), sizes=sizes)
         labels = None if self.labels is None else self.labels[batch.indices].to(z0.device)
-        return self.row.call(self.criterion, self.model, z0, z1, labels, sizes)
+        return self.row.call(self.criterion, self.model, [z0, z1], labels, sizes)
 
     def after_step(self, step: int) -> None:
         """This step's second views into the queue, if there is one."""
@@ -230,24 +126,24 @@ class SimCLRMethod(Method):
 
 def defaults(config) -> dict[str, Any]:
     """NT-Xent unless ``--loss`` says otherwise, and that loss's own defaults."""
-    loss = config.loss or "ntxent"
+    loss = config.loss or SIMCLR_FAMILY.losses[0]
     temperature = {"temperature": 0.5} if "temperature" in LOSSES[loss].options else {}
     return {"loss": loss, **temperature, **LOSSES[loss].defaults}
 
 
-#: The options of the losses: each reads its own (``LossRow.options``).
-LOSS_OPTIONS = tuple(dict.fromkeys(name for row in LOSSES.values() for name in row.options))
+#: The options of its losses: each reads its own (``LossRow.options``).
+SIMCLR_LOSS_OPTIONS = options_of(SIMCLR_FAMILY.losses)
 
 
 def reads(config) -> tuple[str, ...]:
     """The queue's options, and those of the loss (its row's; with a loss that is not
     the family's, all of them: ``check`` refuses it)."""
-    row = LOSSES.get(config.loss or "ntxent")
-    return ("loss", "queue_size", "queue_keys", *(row.options if row else LOSS_OPTIONS))
+    row = SIMCLR_LOSSES.get(config.loss or SIMCLR_FAMILY.losses[0])
+    return ("loss", "queue_size", "queue_keys", *(row.options if row else SIMCLR_LOSS_OPTIONS))
 
 
 def check(config) -> None:
-    if config.loss is not None and config.loss not in LOSSES:
+    if config.loss is not None and config.loss not in SIMCLR_FAMILY.losses:
         raise ConfigError(f"--loss {config.loss} does not apply to --method simclr")
     if config.queue_size and config.loss not in (None, "ntxent"):
         raise ConfigError(f"--queue-size applies to --loss ntxent, not {config.loss}")
@@ -264,10 +160,10 @@ def check_data(config, data: ImageData) -> None:
 SIMCLR = MethodRow(
     SimCLRMethod,
     image_data,
-    options=("loss", "queue_size", "queue_keys", *LOSS_OPTIONS),
+    options=("loss", "queue_size", "queue_keys", *SIMCLR_LOSS_OPTIONS),
     reads=reads,
     defaults=defaults,
     check=check,
     check_data=check_data,
-    families=(Family("--method simclr"),),
+    families=(SIMCLR_FAMILY,),
 )

@@ -15,7 +15,9 @@ from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.pairs import MixedPairs, PairBatch, PairData, TextColumns
 from contrastive_accelerate.knn import KnnData
 from contrastive_accelerate.methods.base import DTYPES, Say
+from contrastive_accelerate.methods.loss_table import LOSSES
 from contrastive_accelerate.methods.pairs import (
+    TEXT_PAIR_LOSSES,
     PairsMethod,
     embed_texts,
     first_texts,
@@ -25,7 +27,6 @@ from contrastive_accelerate.methods.pairs import (
 )
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
-from losses import MultipleNegativesRankingLoss
 from models import sample_keys
 
 
@@ -81,12 +82,8 @@ class TextPairsMethod(PairsMethod):
             )
         self.evaluation, self.columns = data.evaluation, data.columns
         self.tokenizer, self.max_length = tokenizers[0], config.max_length
-        self.criterion = MultipleNegativesRankingLoss(
-            config.mnrl_scale,
-            symmetric=config.mnrl_symmetric,
-            gather_distributed=config.gather,
-            tile_rows=config.loss_tile_rows,
-        )
+        self.row = LOSSES[config.loss or TEXT_PAIR_LOSSES[0]]
+        self.criterion = self.row.make(config)
 
     def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
         """Every column of one chunk, column after column; column c's dropout keyed by
@@ -112,7 +109,7 @@ class TextPairsMethod(PairsMethod):
         count = len(batch.columns)
         per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
         columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
-        return self.criterion(*columns, sizes=sizes)
+        return self.row.call(self.criterion, self.model, columns, None, sizes)
 
     def evaluate(self, knn: KnnData | None) -> dict[str, float]:
         """Retrieval on the held-out pairs: each anchor's positive among all of theirs
