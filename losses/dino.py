@@ -34,7 +34,7 @@ class DINOLoss(nn.Module):
 
     Example::
 
-        criterion = DINOLoss(student_temperature=0.1)  # model: SimCLR(dino_out_dim=1024)
+        criterion = DINOLoss(student_temperature=0.1)  # model: DINOModel(dino_out_dim=1024)
         loss = criterion([model(c) for c in crops], [teacher(c) for c in crops[:2]], 0.04, center)
         center = 0.9 * center + 0.1 * batch_center([teacher(c) for c in crops[:2]])
     """

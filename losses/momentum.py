@@ -34,7 +34,7 @@ class MoCoLoss(nn.Module):
 
     Example::
 
-        criterion = MoCoLoss(temperature=0.2)  # model: SimCLR(prediction_hidden_dim=512)
+        criterion = MoCoLoss(temperature=0.2)  # model: models.momentum.PredictorModel()
         loss = criterion(model(view0), teacher(view1), queue.keys())  # teacher: EMATeacher
         accelerator.backward(loss)
     """
@@ -106,7 +106,7 @@ class NegativeCosineSimilarityLoss(nn.Module):
 
     Example::
 
-        criterion = NegativeCosineSimilarityLoss()  # model: SimCLR(prediction_hidden_dim=512)
+        criterion = NegativeCosineSimilarityLoss()  # model: models.momentum.PredictorModel()
         p0, p1, t0, t1 = model(view0), model(view1), teacher(view0), teacher(view1)
         loss = 0.5 * (criterion(p0, t1) + criterion(p1, t0))  # teacher: EMATeacher
         accelerator.backward(loss)

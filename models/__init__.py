@@ -1,5 +1,6 @@
 """Models for contrastive pre-training."""
 
+from models.dino import DINOModel
 from models.dropout import (
     SampleDropout,
     SampleDropPath,
@@ -7,11 +8,16 @@ from models.dropout import (
     sample_keys,
     sample_randomness,
 )
+from models.image import ImageModel
+from models.momentum import PredictorModel
 from models.simclr import BACKBONES, SimCLR
 from models.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "BACKBONES",
+    "DINOModel",
+    "ImageModel",
+    "PredictorModel",
     "SampleDropPath",
     "SampleDropout",
     "SimCLR",

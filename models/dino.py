@@ -1,11 +1,14 @@
-"""DINO's projection head (Caron et al., 2021): an MLP, L2 normalisation, and a
-weight-normalised last layer whose rows all have norm 1 (``norm_last_layer=True``)."""
+"""DINO's model (Caron et al., 2021): an image tower under DINO's head (``DINOHead``), an
+MLP, L2 normalisation, and a weight-normalised last layer whose rows all have norm 1
+(``norm_last_layer=True``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.image import ImageModel, projection_head
 
 
 class DINOHead(nn.Module):
@@ -52,3 +55,37 @@ class DINOHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.normalize(self.mlp(x), dim=-1)
         return x @ F.normalize(self.last_layer, dim=1).T
+
+
+class DINOModel(ImageModel):
+    """An image tower under DINO's head: ``projection_hidden_dim`` wide, into
+    ``projection_dim``, then ``dino_out_dim`` logits; BatchNorm in its MLP for the
+    ResNets, as in every head of theirs. A ViT tower takes local crops at other sizes.
+
+    Example::
+
+        model = DINOModel(backbone="vit_small", image_size=224, dino_out_dim=65536)
+        logits = model(crops)                    # (batch, dino_out_dim): DINOLoss's input
+    """
+
+    def __init__(
+        self,
+        backbone: str = "resnet18",
+        image_size: int = 32,
+        in_channels: int = 3,
+        projection_hidden_dim: int = 512,
+        projection_dim: int = 128,
+        dino_out_dim: int = 1024,
+        dropout: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
+        super().__init__()
+        tower, width = self.add_tower(backbone, image_size, in_channels, dropout, drop_path)
+        # SimCLR's head is drawn and dropped, as earlier versions did before replacing it:
+        # a seed gives the weights it gave them.
+        projection_head(width, projection_hidden_dim, projection_dim, 2,
+                        batch_norm=tower.batch_norm, after_linear=tower.linear_output)  # fmt: skip
+        self.projection_head = DINOHead(
+            width, dino_out_dim, projection_hidden_dim, projection_dim,
+            batch_norm=tower.batch_norm,
+        )  # fmt: skip

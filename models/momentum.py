@@ -5,6 +5,7 @@
   ``(1 - m) * (student - teacher)`` at m = 0.996 is below half an ulp of the teacher's
   weights and rounds away: the teacher stops moving.
 - ``cosine_momentum``: BYOL's schedule, a function of the step, so resume needs no state.
+- ``PredictorModel``: the student of MoCo v3 and BYOL, SimCLR's with a predictor.
 - ``KeyQueue``: a FIFO of the global batch's keys in global sample order (MoCo v2's
   queue), so its contents are the same on 1 and N processes, and a checkpoint of it
   resumes on any number of processes.
@@ -20,6 +21,9 @@ import math
 
 import torch
 from torch import nn
+
+from models.image import ImageModel, projection_head
+from models.towers import image_tower
 
 
 def cosine_momentum(step: int, total_steps: int, base: float) -> float:
@@ -122,3 +126,46 @@ class KeyQueue:
             )
         self.filled = 0
         self.push(keys.to(self.buffer.device))
+
+
+class PredictorModel(ImageModel):
+    """MoCo v3's and BYOL's student: SimCLR's encoder and projection head, then a
+    predictor, an MLP of the head's shape (BatchNorm for the ResNets) from
+    ``projection_dim`` to itself (Grill et al., 2020; Chen et al., 2021). ``forward``
+    returns predictions; a teacher made without the predictor
+    (``EMATeacher(model, without=("predictor",))``) returns projections.
+
+    Example::
+
+        student = PredictorModel(backbone="resnet18", image_size=32)
+        teacher = EMATeacher(student, without=("predictor",))
+    """
+
+    def __init__(
+        self,
+        backbone: str = "resnet18",
+        image_size: int = 32,
+        in_channels: int = 3,
+        projection_hidden_dim: int = 512,
+        projection_dim: int = 128,
+        projection_layers: int = 2,
+        prediction_hidden_dim: int = 512,
+        dropout: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
+        super().__init__()
+        # BatchNorm in the predictor where the head has it; drawn before the tower, as in
+        # earlier versions (see models.image).
+        self.predictor = projection_head(
+            projection_dim, prediction_hidden_dim, projection_dim, 2,
+            batch_norm=image_tower(backbone).batch_norm, after_linear=False,
+        )  # fmt: skip
+        tower, width = self.add_tower(backbone, image_size, in_channels, dropout, drop_path)
+        self.projection_head = projection_head(
+            width, projection_hidden_dim, projection_dim, projection_layers,
+            batch_norm=tower.batch_norm, after_linear=tower.linear_output,
+        )  # fmt: skip
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        projections = self.projection_head(self.encoder(images))
+        return projections if self.predictor is None else self.predictor(projections)

@@ -210,6 +210,13 @@ IMAGE_TOWERS: dict[str, ImageTower] = {
 }
 
 
+def image_tower(name: str) -> ImageTower:
+    """The row of ``name``; a ``ValueError`` naming the choices for another name."""
+    if name not in IMAGE_TOWERS:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {', '.join(IMAGE_TOWERS)}")
+    return IMAGE_TOWERS[name]
+
+
 def towers_reading(option: str) -> tuple[str, ...]:
     """The towers whose rows read ``option``."""
     return tuple(name for name, row in IMAGE_TOWERS.items() if option in row.options)

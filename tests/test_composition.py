@@ -206,17 +206,18 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one(runs, data, meth
 TOY_MODULE = '''
 """A toy method: two views through the image tower, NT-Xent at a fixed temperature."""
 from contrastive_accelerate.methods.base import (
-    SIMCLR_HEAD, Family, Method, MethodRow, embed_two_views, image_data, image_model,
-    two_views_dataset, view_halves,
+    Family, Method, MethodRow, embed_two_views, image_data, image_model, two_views_dataset,
+    view_halves,
 )
 from losses import NTXentLoss
+from models import SimCLR
 
 
 class Toy(Method):
     def __init__(self, config, data, world_size, say, *, total_steps=None, device="cpu"):
         self.seed = config.seed
         self.dataset = two_views_dataset(config, data)
-        self.model = image_model(config, world_size, say, SIMCLR_HEAD)
+        self.model = image_model(config, world_size, say, SimCLR)
         self.criterion = NTXentLoss(0.3)
 
     def embed(self, model, chunk, step):

@@ -20,7 +20,7 @@ from contrastive_accelerate.optim import make_optimizer
 from contrastive_accelerate.testing import assert_loss_invariant, run_on_ranks
 from losses import DINOLoss, MoCoLoss, NegativeCosineSimilarityLoss
 from losses.dino import CENTER_FORMULAS, batch_center
-from models import SimCLR
+from models import PredictorModel, SimCLR
 from models.momentum import EMATeacher, KeyQueue, cosine_momentum
 from trainer import TrainConfig
 
@@ -34,9 +34,9 @@ def test_cosine_momentum_runs_from_the_base_to_one():
     assert cosine_momentum(250, 100, 0.99) == 1.0  # past the end (a resumed, longer run)
 
 
-def _student(dtype=torch.float32) -> SimCLR:
+def _student(dtype=torch.float32) -> PredictorModel:
     torch.manual_seed(0)
-    return SimCLR(backbone="mlp", image_size=4, prediction_hidden_dim=16).to(dtype)
+    return PredictorModel(backbone="mlp", image_size=4, prediction_hidden_dim=16).to(dtype)
 
 
 def _nudge(student: nn.Module, size: float) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.knn import knn_data, knn_top1
-from models import SimCLR
+from models import PredictorModel
 
 from launch import (
     LAUNCHER_BF16,
@@ -231,8 +231,8 @@ def test_eval_teacher_evaluates_the_teachers_encoder(tmp_path):
     train_pooled(1, *digits, "--output-dir", str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reported = [record["knn_top1"] for record in records if "knn_top1" in record][-1]
-    student = SimCLR.from_pretrained(str(tmp_path / "final"))
-    teacher = SimCLR.from_pretrained(str(tmp_path / "final"))
+    student = PredictorModel.from_pretrained(str(tmp_path / "final"))
+    teacher = PredictorModel.from_pretrained(str(tmp_path / "final"))
     teacher.predictor = None
     state = load_file(str(tmp_path / "final" / "method.safetensors"))
     teacher.load_state_dict({name[len("teacher.") :]: value for name, value in state.items()})

@@ -20,13 +20,13 @@ from contrastive_accelerate.knn import KnnData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.sharding import is_sharded, shard_model
 from models import (
-    SimCLR,
     convert_sample_dropout,
     convert_sync_batchnorm,
     sample_keys,
     sample_randomness,
 )
 from models.checkpointing import checkpoint_image_encoder
+from models.image import ImageModel
 from models.momentum import EMATeacher, KeyQueue
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -196,16 +196,21 @@ def image_data(config) -> ImageData:
 SIMCLR_HEAD = (2, 512, 128)
 
 
-def image_model(config, world_size: int, say: Say, head: tuple[int, int, int], **heads) -> SimCLR:
-    """The encoder and its head (``heads``: a learnable scale, a predictor), with global
-    BatchNorm statistics and dropout keyed by sample where the options ask for them."""
+def head_shape(head: tuple[int, int, int]) -> dict[str, int]:
+    """A projection head's (layers, hidden width, output width) as a model's arguments."""
     layers, hidden, width = head
-    model = SimCLR(
+    return {"projection_layers": layers, "projection_hidden_dim": hidden, "projection_dim": width}
+
+
+def image_model(
+    config, world_size: int, say: Say, model_class: type[ImageModel], **heads: Any
+) -> ImageModel:
+    """``--model``'s tower under the method's heads (``model_class``, with ``heads`` its
+    own arguments: the head's shape, a learnable scale, a predictor's width), with global
+    BatchNorm statistics and dropout keyed by sample where the options ask for them."""
+    model = model_class(
         backbone=config.model,
         image_size=config.image_size,
-        projection_layers=layers,
-        projection_hidden_dim=hidden,
-        projection_dim=width,
         dropout=config.dropout,
         drop_path=config.drop_path,
         **heads,

@@ -28,6 +28,7 @@ from contrastive_accelerate.methods.momentum import TEACHER_OPTIONS, TeacherMeth
 from losses import DINOLoss
 from losses.dino import batch_center
 from models import sample_keys, sample_randomness
+from models.dino import DINOModel
 from models.momentum import EMATeacher, cosine_momentum
 from models.towers import IMAGE_TOWERS
 
@@ -74,9 +75,11 @@ class DINOMethod(TeacherMethod):
             config.local_crop_size,
             **augmentation_options(config),
         )
+        _, hidden, bottleneck = SIMCLR_HEAD
         self.model = image_model(
-            config, world_size, say, SIMCLR_HEAD, dino_out_dim=config.dino_out_dim
-        )
+            config, world_size, say, DINOModel, projection_hidden_dim=hidden,
+            projection_dim=bottleneck, dino_out_dim=config.dino_out_dim,
+        )  # fmt: skip
         self.teacher = EMATeacher(self.model).to(device)
         self.center = torch.zeros(1, config.dino_out_dim, dtype=self.teacher.dtype, device=device)
         self.criterion = DINOLoss(config.temperature, gather_distributed=config.gather)

@@ -19,6 +19,7 @@ from contrastive_accelerate.methods.base import (
     SIMCLR_HEAD,
     Say,
     augmentation_options,
+    head_shape,
     image_model,
     view_halves,
 )
@@ -38,7 +39,7 @@ from contrastive_accelerate.methods.pairs import (
 )
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
-from models import sample_keys
+from models import SimCLR, sample_keys
 
 #: CLIP clamps its learnable logit scale at 100.
 MAX_LOGIT_SCALE = 100.0
@@ -107,7 +108,8 @@ class ImageTextMethod(PairsMethod):
                 config, width, world_size, say
             )
         else:
-            image = image_model(config, world_size, say, (*SIMCLR_HEAD[:2], width))
+            shape = head_shape((*SIMCLR_HEAD[:2], width))
+            image = image_model(config, world_size, say, SimCLR, **shape)
             image_size = config.image_size
         text = TextTower(  # in the run's dtype already for text_dropout's probe forward
             encoder, config.text_pooling, width, use_attention_mask=config.attention_mask

@@ -19,6 +19,7 @@ from contrastive_accelerate.methods.base import (
     MethodRow,
     Say,
     embed_two_views,
+    head_shape,
     image_data,
     image_model,
     load_queue,
@@ -30,7 +31,7 @@ from contrastive_accelerate.methods.base import (
     view_halves,
 )
 from losses import MoCoLoss, NegativeCosineSimilarityLoss
-from models.momentum import EMATeacher, KeyQueue, cosine_momentum
+from models.momentum import EMATeacher, KeyQueue, PredictorModel, cosine_momentum
 
 #: What every method with an EMA teacher reads.
 TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
@@ -83,8 +84,9 @@ class MomentumMethod(TeacherMethod):
         self.base_momentum, self.eval_teacher = config.teacher_momentum, config.eval_teacher
         self.dataset = two_views_dataset(config, data)
         self.model = image_model(
-            config, world_size, say, SIMCLR_HEAD, prediction_hidden_dim=SIMCLR_HEAD[1]
-        )
+            config, world_size, say, PredictorModel, **head_shape(SIMCLR_HEAD),
+            prediction_hidden_dim=SIMCLR_HEAD[1],
+        )  # fmt: skip
         self.teacher = EMATeacher(self.model, without=("predictor",)).to(device)
         if config.method == "moco":
             self.temperature = config.temperature

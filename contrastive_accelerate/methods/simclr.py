@@ -25,6 +25,7 @@ from contrastive_accelerate.methods.base import (
     MethodRow,
     Say,
     embed_two_views,
+    head_shape,
     image_data,
     image_model,
     load_queue,
@@ -34,6 +35,7 @@ from contrastive_accelerate.methods.base import (
 )
 from contrastive_accelerate.methods.loss_table import LOSSES, LossRow, options_of, tiled
 from losses import MoCoLoss
+from models import SimCLR
 from models.momentum import KeyQueue
 
 #: SimCLR's family: two views on tables, from scratch, and the losses it takes (the
@@ -80,7 +82,8 @@ class SimCLRMethod(Method):
             config,
             world_size,
             say,
-            row.head,
+            SimCLR,
+            **head_shape(row.head),
             logit_scale=config.logit_scale_init if "logit_scale_init" in row.options else None,
             logit_bias=config.logit_bias_init if "logit_bias_init" in row.options else None,
         )

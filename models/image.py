@@ -1,0 +1,88 @@
+"""What every image method's model shares: an image tower (a row of ``models.towers``)
+under the heads of the method that trains it, saved HF-style (safetensors +
+``config.json``).
+
+``ImageModel`` holds the tower as ``encoder`` (``embed``: its features, what the kNN and
+the linear probe evaluate) and computes ``projection_head(encoder(images))``; each
+method's model adds its own heads: ``models.simclr.SimCLR`` (a projection head, and the
+CLIP-style losses' learnable scale and bias), ``models.momentum.PredictorModel``
+(SimCLR's head and BYOL's and MoCo v3's predictor), ``models.dino.DINOModel`` (DINO's
+head). ``projection_head`` builds the MLP heads they share. A subclass registers its
+modules in the order of earlier versions (heads drawn before the tower are drawn
+first), so that a seed gives the same weights and a checkpoint's optimizer state, which
+follows the parameters' order, the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from huggingface_hub import PyTorchModelHubMixin
+from torch import nn
+
+from models.towers import SMALL_IMAGE_MAX_SIZE, ImageTower, image_tower
+
+
+class ImageModel(nn.Module, PyTorchModelHubMixin):
+    """An image tower and a ``projection_head`` that a subclass sets."""
+
+    encoder: nn.Module
+    projection_head: nn.Module
+
+    def add_tower(
+        self,
+        backbone: str,
+        image_size: int,
+        in_channels: int = 3,
+        dropout: float = 0.0,
+        drop_path: float = 0.0,
+        small_image_max_size: int = SMALL_IMAGE_MAX_SIZE,
+    ) -> tuple[ImageTower, int]:
+        """Build the tower ``backbone`` (``models.towers.IMAGE_TOWERS``) as ``encoder``;
+        its row and its width."""
+        if small_image_max_size != SMALL_IMAGE_MAX_SIZE:  # kept for saved config.json files
+            raise ValueError(f"small_image_max_size is {SMALL_IMAGE_MAX_SIZE}")
+        tower = image_tower(backbone)
+        if tower.patch_size is None and drop_path:
+            raise ValueError(f"drop_path applies to towers of patches, not {backbone}")
+        self.encoder, width = tower.build(image_size, in_channels, dropout, drop_path)
+        return tower, width
+
+    def save_exports(
+        self,
+        directory: str,
+        whole: Callable[[nn.Module], AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        """What ``final/`` holds besides the streamed ``model.safetensors``: for this
+        one-tower model, the model itself (``save_pretrained``: its weights and
+        ``config.json``), inside ``whole(self)`` (``models.text.TextPairModel``'s)."""
+        with whole(self):
+            self.save_pretrained(directory)
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Encoder features: what downstream tasks and the kNN evaluation use."""
+        return self.encoder(images)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.projection_head(self.encoder(images))
+
+
+def projection_head(
+    in_dim: int, hidden: int, out: int, layers: int, batch_norm: bool, after_linear: bool = True
+) -> nn.Sequential:
+    """``layers`` linear layers, each hidden one followed by BatchNorm (ResNets) and ReLU:
+    SimCLR's head with 2 layers, Barlow Twins' and VICReg's projector with 3."""
+    modules: list[nn.Module] = []
+    if not batch_norm and after_linear:
+        modules.append(nn.ReLU())  # the mlp encoder ends in a linear layer
+    dims = [in_dim] + [hidden] * (layers - 1)
+    for fan_in, fan_out in zip(dims[:-1], dims[1:], strict=True):
+        modules.append(nn.Linear(fan_in, fan_out, bias=not batch_norm))
+        if batch_norm:
+            modules.append(nn.BatchNorm1d(fan_out))
+        modules.append(nn.ReLU())
+    modules.append(nn.Linear(dims[-1], out))
+    return nn.Sequential(*modules)
