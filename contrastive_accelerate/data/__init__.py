@@ -8,6 +8,8 @@ One module per concern:
 - ``sampler``: the global batch from (seed, epoch) and each rank's contiguous share;
 - ``streams``: shards read in order as streams, the same global batches on any W;
 - ``loader``: one DataLoader for the run, its persistent workers stopped on exit.
+- ``interfaces``: what a method's dataset, its batches and the loop's sampler are to
+  each other, as ``Protocol``s.
 """
 
 from contrastive_accelerate.data.augmentation import (

@@ -8,17 +8,18 @@ from collections.abc import Iterator
 
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from contrastive_accelerate.compat import shutdown_workers
+from contrastive_accelerate.data.interfaces import BatchPlan, StreamDataset, TableDataset
 from contrastive_accelerate.data.mixture import Mixture, MixtureBatches
 from contrastive_accelerate.data.sampler import GlobalBatchSampler
-from contrastive_accelerate.data.streams import StreamBatches, stream_batches
+from contrastive_accelerate.data.streams import stream_batches
 from contrastive_accelerate.preemption import ignore_stop_signals
 
 
 def train_loader(
-    dataset: Dataset,
+    dataset: TableDataset | StreamDataset | Mixture,
     accelerator: Accelerator,
     *,
     batch_size: int,
@@ -28,7 +29,7 @@ def train_loader(
     padded_batches: bool = False,
     duplicate_keys=None,
     per_rank_streams: bool = False,
-) -> tuple[DataLoader, GlobalBatchSampler | StreamBatches | MixtureBatches]:
+) -> tuple[DataLoader, BatchPlan]:
     """This rank's share of every global batch; ``sampler.set_epoch`` picks the epoch and
     the first batch. Its workers persist across epochs (safe: each item's randomness
     depends on its (epoch, index), not on the worker). ``num_workers`` None: one per

@@ -14,6 +14,8 @@ from contrastive_accelerate import collectives
 from contrastive_accelerate.checkpoint_shards import load_local_state, stored_under
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import TwoViewBatch, TwoViews
+from contrastive_accelerate.data.interfaces import StreamDataset, TableDataset
+from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.sources import ImageData, load_image_dataset
 from contrastive_accelerate.grad_cache import has_batch_statistics
 from contrastive_accelerate.knn import KnnData
@@ -44,16 +46,18 @@ class Method:
 
     - ``model``: every trained module (towers, heads, a learnable scale); the loop
       prepares it with the optimizer (DDP), or with ``--fsdp`` shards it (``shard``).
-    - ``dataset``: dataset rows as items, keyed by ``(epoch, index)``; ``dataset.collate``
-      makes the batch, whose ``split(k)`` gives the chunks of gradient caching and whose
-      ``unreadable`` lists the images that could not be decoded.
+    - ``dataset``: dataset rows as items, keyed by ``(epoch, index)``, over a table or a
+      stream, or a mixture of them (``data.interfaces``: ``TableDataset``,
+      ``StreamDataset``); ``dataset.collate`` makes the ``Batch``, whose ``split(k)``
+      gives the chunks of gradient caching and whose ``unreadable`` lists the images
+      that could not be decoded.
 
     The hooks below are the loop's calls; those with a body here are no-ops that a
     method overrides when it has something to do.
     """
 
     model: nn.Module
-    dataset: Any
+    dataset: TableDataset | StreamDataset | Mixture
     #: Content digests of the models and tokenizers an option loaded, by option name
     #: (``RunState.inputs``): a resume compares these, not the option's path.
     inputs: dict[str, dict[str, str]] = {}
