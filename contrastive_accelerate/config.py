@@ -35,6 +35,11 @@ class ConfigError(ValueError):
     """An invalid option value: reported as one line naming the option."""
 
 
+def field_names(section) -> tuple[str, ...]:
+    """The names of a dataclass's fields (an options section's), in order."""
+    return tuple(field.name for field in dataclasses.fields(section))
+
+
 def option(
     default: Any,
     help: str,

@@ -1,4 +1,5 @@
-"""Every option of a run, declared once: ``TrainConfig``.
+"""Every option of a run, declared once: ``TrainConfig``, the run's own options and the
+sections of the parts (each declared in the module of the part that reads it).
 
 Each field is a ``--flag`` and a config-file key (``contrastive_accelerate.config``
 generates both and checks each field's type, choices and bounds). What depends on
@@ -26,8 +27,10 @@ from dataclasses import dataclass
 from accelerate import Accelerator
 
 from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
-from contrastive_accelerate.config import ConfigError, flag, is_set, option, validate
+from contrastive_accelerate.config import ConfigError, field_names, flag, is_set, option, validate
 from contrastive_accelerate.data import batches_per_epoch
+from contrastive_accelerate.data.mixture import MixtureOptions
+from contrastive_accelerate.data.streams import StreamOptions
 from contrastive_accelerate.launch import (
     SUPPORTED_DISTRIBUTED_TYPES,
     TrainerError,
@@ -40,24 +43,33 @@ from contrastive_accelerate.methods import (
     METHODS,
     composition,
 )
+from contrastive_accelerate.methods.dino import DINOOptions
+from contrastive_accelerate.methods.loss_table import LossOptions
+from contrastive_accelerate.methods.momentum import QueueOptions, TeacherOptions
+from contrastive_accelerate.methods.pairs import LoRAOptions, PairsOptions
 from contrastive_accelerate.optim import OPTIMIZERS
-from losses.dino import CENTER_FORMULAS
-from models.text import POOLINGS
 from models.towers import IMAGE_TOWERS
-from models.vision import IMAGE_POOLINGS
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 #: What only ``--streaming`` reads.
-STREAMING_OPTIONS = ("streams", "shuffle_buffer", "skip_bad_rows", "stream_split")
+STREAMING_OPTIONS = tuple(name for name in field_names(StreamOptions) if name != "streaming")
 #: What only a mixture (several ``--dataset``) reads.
-MIXTURE_OPTIONS = ("mixture", "mixture_weights", "mixture_temperature")
+MIXTURE_OPTIONS = field_names(MixtureOptions)
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(
+    StreamOptions, MixtureOptions, LossOptions, TeacherOptions, QueueOptions, DINOOptions,
+    LoRAOptions, PairsOptions,
+):  # fmt: skip
     """Every option of a run: a ``--flag`` and a config-file key each. ``resume`` says
     whether a resumed run may change it (default "refuse"; ``contrastive_accelerate.config``).
-    Options left at None take the derived defaults of ``resolved()``."""
+    Options left at None take the derived defaults of ``resolved()``. The run's own are
+    declared here; each part's in its own module, a section of its own that this class
+    holds (``StreamOptions`` in ``data.streams``, ``MixtureOptions`` in ``data.mixture``,
+    ``LossOptions`` in ``methods.loss_table``, ``TeacherOptions`` and ``QueueOptions`` in
+    ``methods.momentum``, ``DINOOptions`` in ``methods.dino``, ``PairsOptions`` and
+    ``LoRAOptions`` in ``methods.pairs``)."""
 
     # Data
     dataset: str | tuple[str, ...] | None = option(
@@ -84,27 +96,6 @@ class TrainConfig:
         None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
     )
     skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
-    streaming: bool = option(
-        False, "read --dataset's shards (tar, jsonl, parquet) in order, as streams; --max-steps"
-    )
-    streams: int | None = option(
-        None, "--streaming: shard groups each global batch draws from; none: min(8, shards)",
-        at_least=1,
-    )  # fmt: skip
-    shuffle_buffer: int = option(1000, "--streaming: rows each stream shuffles", at_least=1)
-    skip_bad_rows: bool = option(
-        False, "--streaming: skip unusable rows (a bad JSON line, a missing member) instead"
-    )
-    mixture: str = option(
-        "proportional", "several --dataset: each global batch from one, by weight or in turn",
-        choices=("proportional", "round-robin"),
-    )  # fmt: skip
-    mixture_weights: str | None = option(
-        None, "proportional: weights, one per --dataset; none: by rows (tables)"
-    )
-    mixture_temperature: float = option(
-        1.0, "proportional by rows: weights rows^(1/T); large T: uniform", above=0.0
-    )
     num_workers: int | None = option(
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
     )
@@ -119,61 +110,6 @@ class TrainConfig:
         None, "objective, exact on any number of processes; none: ntxent, pairs: mnrl / infonce",
         choices=LOSSES,
     )  # fmt: skip
-    temperature: float | None = option(
-        None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",
-        resume="apply", above=0.0,
-    )  # fmt: skip
-    dclw_sigma: float = option(0.5, "dclw: scale of the vMF weights", resume="apply", above=0.0)
-    supcon_rescale: bool = option(False, "supcon: loss times the temperature", resume="apply")
-    logit_scale_init: float | None = option(
-        None, "infonce, siglip: initial learnable scale; none: 1/0.07 and 10", above=0.0
-    )
-    logit_bias_init: float = option(-10.0, "siglip: initial learnable bias")
-    barlow_lambda: float = option(
-        5e-3, "barlowtwins: weight of the off-diagonal terms", resume="apply", at_least=0.0
-    )
-    vicreg_lambda: float = option(
-        25.0, "vicreg: weight of the invariance term", resume="apply", at_least=0.0
-    )
-    vicreg_mu: float = option(
-        25.0, "vicreg: weight of the variance term", resume="apply", at_least=0.0
-    )
-    vicreg_nu: float = option(
-        1.0, "vicreg: weight of the covariance term", resume="apply", at_least=0.0
-    )
-    loss_tile_rows: int | None = option(
-        None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
-    )
-    teacher_momentum: float | None = option(
-        None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: the method's",
-        resume="apply", at_least=0.0, at_most=1.0,
-    )  # fmt: skip
-    queue_size: int = option(
-        0, "moco, simclr with ntxent: a queue of past keys as negatives; 0: none", at_least=0
-    )
-    dino_out_dim: int | None = option(
-        None, "dino: outputs of DINO's head; none: 1024 (digits: 256)", at_least=1
-    )
-    center_momentum: float = option(
-        0.9, "dino: EMA momentum of the teacher's center", resume="apply", at_least=0.0, at_most=1.0
-    )
-    teacher_temperature: float | None = option(
-        None, "dino: teacher temperature after the warm-up; none: 0.04 (digits: 0.01)",
-        resume="apply", above=0.0,
-    )  # fmt: skip
-    teacher_temperature_warmup_steps: int = option(
-        0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
-    )
-    freeze_last_layer: int = option(
-        1, "dino: epochs the head's last layer stays frozen (DINO's)", resume="apply", at_least=0
-    )
-    global_crops: int = option(2, "dino: global crops per sample", at_least=1)
-    local_crops: int | None = option(
-        None, "dino: local crops per sample; none: 6, or 0 for the mlp", at_least=0
-    )
-    local_crop_size: int | None = option(
-        None, "dino: local crop size; none: half of --image-size", at_least=1
-    )
     dropout: float | None = option(
         None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
     )
@@ -183,47 +119,6 @@ class TrainConfig:
     )  # fmt: skip
     sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
     # Text pairs (--method pairs)
-    columns: str | tuple[str, ...] | None = option(
-        None, "pairs: anchor,positive[,negative...]; one for all --dataset or one each"
-    )
-    text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
-    clip_model: str | None = option(
-        None, "image-text: a whole CLIP or SigLIP model directory or hub name, both towers"
-    )
-    image_model: str | None = option(
-        None, "image-text: a transformers vision model directory or hub name, for --model"
-    )
-    lora_rank: int = option(
-        0, "pairs: LoRA adapters of this rank; 0: train every weight", at_least=0
-    )
-    lora_alpha: float = option(8.0, "LoRA: scale alpha (adapters add alpha / rank * BA)", above=0.0)
-    lora_dropout: float = option(
-        0.0, "LoRA: dropout of the adapters' input", at_least=0.0, below=1.0
-    )
-    lora_target_modules: str | None = option(
-        None, "LoRA: linear layers to adapt, e.g. query,value; none: the query and value ones"
-    )
-    lora_towers: str = option(
-        "both", "LoRA: the transformers towers it adapts", choices=("both", "text", "image")
-    )
-    image_pooling: str = option(
-        "pooled", "--image-model: its pooled output, the first token or the patches' mean",
-        choices=IMAGE_POOLINGS,
-    )  # fmt: skip
-    text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
-    max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
-    two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
-    unique_texts: bool = option(False, "pairs: no text twice in a global batch")
-    projection_dim: int = option(0, "pairs: a linear projection's width; 0: none", at_least=0)
-    mnrl_scale: float = option(
-        20.0, "mnrl: similarity scale (1 / temperature)", resume="apply", above=0.0
-    )
-    mnrl_symmetric: bool = option(
-        False, "mnrl: also each positive against every anchor", resume="apply"
-    )
-    zero_shot_template: str | None = option(
-        None, 'image-text: zero-shot evaluation with e.g. "a photo of a {}"', resume="free"
-    )
     # Optimisation
     batch_size: int = option(64, "global batch size, split across processes", at_least=2)
     accumulation_chunks: int = option(
@@ -275,9 +170,6 @@ class TrainConfig:
     )
     knn_k: int = option(20, "kNN neighbours; 0: no evaluation", resume="free", at_least=0)
     linear_probe: bool = option(True, "a linear probe too, at the end", resume="free")
-    eval_teacher: bool = option(
-        False, "moco, byol, dino: evaluate the teacher's encoder, as the papers do", resume="free"
-    )
     log_every: int = option(10, "steps between logged losses", resume="free", at_least=1)
     report_to: str = option(
         "none", "trackers besides metrics.jsonl", resume="free", choices=REPORT_TO
@@ -296,18 +188,6 @@ class TrainConfig:
     data_sharding: str = option(
         "exact", "accelerate: padded batches", choices=("exact", "accelerate")
     )
-    queue_keys: str = option(
-        "global", "per-rank: lightly's default, each rank queues its own keys",
-        choices=("global", "per-rank"),
-    )  # fmt: skip
-    dino_center: str = option(
-        "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
-    )
-    attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
-    stream_split: str = option(
-        "streams", "--streaming: per-rank: webdataset's split_by_node, each rank its shards",
-        choices=("streams", "per-rank"),
-    )  # fmt: skip
 
     def __post_init__(self) -> None:
         validate(self)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from contrastive_accelerate.config import option
 from contrastive_accelerate.data.sampler import (
     GlobalBatchSampler,
     batches_per_epoch,
@@ -37,6 +38,25 @@ from contrastive_accelerate.data.sampler import (
 )
 from contrastive_accelerate.data.sources import DataError
 from contrastive_accelerate.data.streams import stream_batches, worker_share
+
+
+@dataclass
+class MixtureOptions:
+    """What only a mixture (several ``--dataset``) reads: this module's options.
+    Declared once here, each a ``--flag`` and a config-file key of ``TrainConfig``
+    (``contrastive_accelerate.options``), which holds this section."""
+
+    mixture: str = option(
+        "proportional", "several --dataset: each global batch from one, by weight or in turn",
+        choices=("proportional", "round-robin"),
+    )  # fmt: skip
+    mixture_weights: str | None = option(
+        None, "proportional: weights, one per --dataset; none: by rows (tables)"
+    )
+    mixture_temperature: float = option(
+        1.0, "proportional by rows: weights rows^(1/T); large T: uniform", above=0.0
+    )
+
 
 #: ``derive_seed``'s stream for the source of each step, and for each table's order.
 MIXTURE_STREAM = 4

@@ -53,10 +53,35 @@ from typing import Any
 
 import torch
 
+from contrastive_accelerate.config import option
 from contrastive_accelerate.data.sampler import derive_seed, share_sizes
 from contrastive_accelerate.data.sources import DataError, first_line
 from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.untrusted import parse_json
+
+
+@dataclass
+class StreamOptions:
+    """What only streamed shards read (``--streaming``): this module's options. Declared
+    once here, each a ``--flag`` and a config-file key of ``TrainConfig``
+    (``contrastive_accelerate.options``), which holds this section."""
+
+    streaming: bool = option(
+        False, "read --dataset's shards (tar, jsonl, parquet) in order, as streams; --max-steps"
+    )
+    streams: int | None = option(
+        None, "--streaming: shard groups each global batch draws from; none: min(8, shards)",
+        at_least=1,
+    )  # fmt: skip
+    shuffle_buffer: int = option(1000, "--streaming: rows each stream shuffles", at_least=1)
+    skip_bad_rows: bool = option(
+        False, "--streaming: skip unusable rows (a bad JSON line, a missing member) instead"
+    )
+    stream_split: str = option(
+        "streams", "--streaming: per-rank: webdataset's split_by_node, each rank its shards",
+        choices=("streams", "per-rank"),
+    )  # fmt: skip
+
 
 #: Shard formats by file suffix.
 SHARD_FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet"}

@@ -4,12 +4,13 @@ teacher's global crops centred and sharpened as the student's targets, multi-cro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from contrastive_accelerate.config import ConfigError
+from contrastive_accelerate.config import ConfigError, field_names, option
 from contrastive_accelerate.data import MultiCrop, MultiCropBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
@@ -26,11 +27,45 @@ from contrastive_accelerate.methods.base import (
 )
 from contrastive_accelerate.methods.momentum import TEACHER_OPTIONS, TeacherMethod
 from losses import DINOLoss
-from losses.dino import batch_center
+from losses.dino import CENTER_FORMULAS, batch_center
 from models import sample_keys, sample_randomness
 from models.dino import DINOModel
 from models.momentum import EMATeacher, cosine_momentum
 from models.towers import IMAGE_TOWERS
+
+
+@dataclass
+class DINOOptions:
+    """What only DINO reads. Declared once here, each a ``--flag`` and a config-file key
+    of ``TrainConfig`` (``contrastive_accelerate.options``), which holds this section."""
+
+    dino_out_dim: int | None = option(
+        None, "dino: outputs of DINO's head; none: 1024 (digits: 256)", at_least=1
+    )
+    center_momentum: float = option(
+        0.9, "dino: EMA momentum of the teacher's center", resume="apply", at_least=0.0, at_most=1.0
+    )
+    teacher_temperature: float | None = option(
+        None, "dino: teacher temperature after the warm-up; none: 0.04 (digits: 0.01)",
+        resume="apply", above=0.0,
+    )  # fmt: skip
+    teacher_temperature_warmup_steps: int = option(
+        0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
+    )
+    freeze_last_layer: int = option(
+        1, "dino: epochs the head's last layer stays frozen (DINO's)", resume="apply", at_least=0
+    )
+    global_crops: int = option(2, "dino: global crops per sample", at_least=1)
+    local_crops: int | None = option(
+        None, "dino: local crops per sample; none: 6, or 0 for the mlp", at_least=0
+    )
+    local_crop_size: int | None = option(
+        None, "dino: local crop size; none: half of --image-size", at_least=1
+    )
+    dino_center: str = option(
+        "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
+    )
+
 
 #: DINO's ``warmup_teacher_temp``.
 DINO_WARMUP_TEACHER_TEMPERATURE = 0.04
@@ -210,17 +245,7 @@ def check(config) -> None:
 
 
 #: What only DINO reads.
-DINO_OPTIONS = (
-    "dino_out_dim",
-    "center_momentum",
-    "teacher_temperature",
-    "teacher_temperature_warmup_steps",
-    "global_crops",
-    "local_crops",
-    "local_crop_size",
-    "dino_center",
-    "freeze_last_layer",
-)
+DINO_OPTIONS = field_names(DINOOptions)
 
 DINO = MethodRow(
     DINOMethod,

@@ -14,7 +14,7 @@ trained module (a CLIP-style loss reads its learnable scale and bias), ``labels`
 batch's class ids where the row needs them, ``sizes`` every rank's rows (``losses.inputs``).
 
 Adding a loss, a checklist: the ``nn.Module`` in ``losses/`` (with its export), one row
-here, its options as fields of ``TrainConfig`` (``contrastive_accelerate.options``), its
+here, its options as fields of ``LossOptions`` below (a section of ``TrainConfig``), its
 name in the families that take it; its tests grow from the table (``tests/test_methods.py``
 finds its float64 case in ``tests/loss_cases.py``, a control and a launch case).
 
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contrastive_accelerate.config import option
 from contrastive_accelerate.methods.base import SIMCLR_HEAD
 from losses import (
     BarlowTwinsLoss,
@@ -47,6 +48,46 @@ from losses import (
     SupConLoss,
     VICRegLoss,
 )
+
+
+@dataclass
+class LossOptions:
+    """What the losses read, each its own (``LossRow.options``), and their tiles.
+    Declared once here, each a ``--flag`` and a config-file key of ``TrainConfig``
+    (``contrastive_accelerate.options``), which holds this section."""
+
+    temperature: float | None = option(
+        None, "ntxent, dcl, dclw, supcon, moco, dino: temperature; none 0.5, moco 0.2, dino 0.1",
+        resume="apply", above=0.0,
+    )  # fmt: skip
+    dclw_sigma: float = option(0.5, "dclw: scale of the vMF weights", resume="apply", above=0.0)
+    supcon_rescale: bool = option(False, "supcon: loss times the temperature", resume="apply")
+    logit_scale_init: float | None = option(
+        None, "infonce, siglip: initial learnable scale; none: 1/0.07 and 10", above=0.0
+    )
+    logit_bias_init: float = option(-10.0, "siglip: initial learnable bias")
+    barlow_lambda: float = option(
+        5e-3, "barlowtwins: weight of the off-diagonal terms", resume="apply", at_least=0.0
+    )
+    vicreg_lambda: float = option(
+        25.0, "vicreg: weight of the invariance term", resume="apply", at_least=0.0
+    )
+    vicreg_mu: float = option(
+        25.0, "vicreg: weight of the variance term", resume="apply", at_least=0.0
+    )
+    vicreg_nu: float = option(
+        1.0, "vicreg: weight of the covariance term", resume="apply", at_least=0.0
+    )
+    mnrl_scale: float = option(
+        20.0, "mnrl: similarity scale (1 / temperature)", resume="apply", above=0.0
+    )
+    mnrl_symmetric: bool = option(
+        False, "mnrl: also each positive against every anchor", resume="apply"
+    )
+    loss_tile_rows: int | None = option(
+        None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
+    )
+
 
 #: The papers' 3-layer 8192-wide projectors, scaled down for small data.
 REDUNDANCY_HEAD = (3, 1024, 1024)

@@ -4,12 +4,14 @@ and an EMA teacher that gives each view's target."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contrastive_accelerate.config import field_names, option
 from contrastive_accelerate.data import TwoViewBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.methods.base import (
@@ -33,8 +35,39 @@ from contrastive_accelerate.methods.base import (
 from losses import MoCoLoss, NegativeCosineSimilarityLoss
 from models.momentum import EMATeacher, KeyQueue, PredictorModel, cosine_momentum
 
+
+@dataclass
+class TeacherOptions:
+    """What the methods with an EMA teacher read. Declared once here, each a ``--flag``
+    and a config-file key of ``TrainConfig`` (``contrastive_accelerate.options``), which
+    holds this section."""
+
+    teacher_momentum: float | None = option(
+        None, "moco, byol, dino: EMA momentum at step 0, cosine to 1; none: the method's",
+        resume="apply", at_least=0.0, at_most=1.0,
+    )  # fmt: skip
+    eval_teacher: bool = option(
+        False, "moco, byol, dino: evaluate the teacher's encoder, as the papers do", resume="free"
+    )
+
+
+@dataclass
+class QueueOptions:
+    """The queue of past keys (MoCo; SimCLR with NT-Xent), a section of ``TrainConfig``."""
+
+    queue_size: int = option(
+        0, "moco, simclr with ntxent: a queue of past keys as negatives; 0: none", at_least=0
+    )
+    queue_keys: str = option(
+        "global", "per-rank: lightly's default, each rank queues its own keys",
+        choices=("global", "per-rank"),
+    )  # fmt: skip
+
+
 #: What every method with an EMA teacher reads.
-TEACHER_OPTIONS = ("teacher_momentum", "eval_teacher")
+TEACHER_OPTIONS = field_names(TeacherOptions)
+#: What the methods with a queue of past keys read.
+QUEUE_OPTIONS = field_names(QueueOptions)
 
 
 class TeacherMethod(Method):
@@ -168,7 +201,7 @@ def momentum_defaults(paper_momentum: float, **paper: Any) -> Callable[[Any], di
 MOCO = MethodRow(
     MomentumMethod,
     image_data,
-    options=(*TEACHER_OPTIONS, "queue_size", "queue_keys", "temperature"),
+    options=(*TEACHER_OPTIONS, *QUEUE_OPTIONS, "temperature"),
     defaults=momentum_defaults(0.99, temperature=0.2),  # MoCo v3's
     families=(Family("--method moco"),),
 )

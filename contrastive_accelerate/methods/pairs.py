@@ -7,13 +7,14 @@ here: the row of ``METHODS``, the text tower and the texts' helpers."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from contrastive_accelerate.collectives import is_distributed
-from contrastive_accelerate.config import ConfigError, flag, is_set
+from contrastive_accelerate.config import ConfigError, field_names, flag, is_set, option
 from contrastive_accelerate.data.pairs import (
     PairData,
     count_truncated,
@@ -38,6 +39,63 @@ from contrastive_accelerate.methods.loss_table import INITIAL_LOGIT_SCALE, LOSSE
 from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
+from models.text import POOLINGS
+from models.vision import IMAGE_POOLINGS
+
+
+@dataclass
+class PairsOptions:
+    """What only pairs read (``--method pairs``), besides LoRA's and the pair losses'.
+    Declared once here, each a ``--flag`` and a config-file key of ``TrainConfig``
+    (``contrastive_accelerate.options``), which holds this section."""
+
+    columns: str | tuple[str, ...] | None = option(
+        None, "pairs: anchor,positive[,negative...]; one for all --dataset or one each"
+    )
+    text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
+    clip_model: str | None = option(
+        None, "image-text: a whole CLIP or SigLIP model directory or hub name, both towers"
+    )
+    image_model: str | None = option(
+        None, "image-text: a transformers vision model directory or hub name, for --model"
+    )
+    image_pooling: str = option(
+        "pooled", "--image-model: its pooled output, the first token or the patches' mean",
+        choices=IMAGE_POOLINGS,
+    )  # fmt: skip
+    text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
+    max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
+    two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
+    unique_texts: bool = option(False, "pairs: no text twice in a global batch")
+    projection_dim: int = option(0, "pairs: a linear projection's width; 0: none", at_least=0)
+    zero_shot_template: str | None = option(
+        None, 'image-text: zero-shot evaluation with e.g. "a photo of a {}"', resume="free"
+    )
+    attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
+
+
+@dataclass
+class LoRAOptions:
+    """LoRA adapters on the ``transformers`` towers (``models.lora``), a section of
+    ``TrainConfig``."""
+
+    lora_rank: int = option(
+        0, "pairs: LoRA adapters of this rank; 0: train every weight", at_least=0
+    )
+    lora_alpha: float = option(8.0, "LoRA: scale alpha (adapters add alpha / rank * BA)", above=0.0)
+    lora_dropout: float = option(
+        0.0, "LoRA: dropout of the adapters' input", at_least=0.0, below=1.0
+    )
+    lora_target_modules: str | None = option(
+        None, "LoRA: linear layers to adapt, e.g. query,value; none: the query and value ones"
+    )
+    lora_towers: str = option(
+        "both", "LoRA: the transformers towers it adapts", choices=("both", "text", "image")
+    )
+
+
+#: LoRA adapters on the transformers towers (``models.lora``).
+LORA_OPTIONS = field_names(LoRAOptions)
 
 #: The two kinds of pairs, as the data tell them apart: text pairs read any source and
 #: take no image; image-text pairs take every image tower but no mixture yet.
@@ -54,25 +112,8 @@ IMAGE_TEXT = Family(
 TEXT_PAIR_LOSSES, IMAGE_TEXT_LOSSES = TEXT_PAIRS.losses, IMAGE_TEXT.losses
 PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 
-#: LoRA adapters on the transformers towers (``models.lora``).
-LORA_OPTIONS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_towers")
 #: What only pairs read.
-TEXT_OPTIONS = (
-    "columns",
-    "zero_shot_template",
-    "text_model",
-    "text_pooling",
-    "clip_model",
-    "image_model",
-    "image_pooling",
-    *LORA_OPTIONS,
-    "max_length",
-    "two_towers",
-    "unique_texts",
-    "projection_dim",
-    *options_of(TEXT_PAIR_LOSSES),
-    "attention_mask",
-)
+TEXT_OPTIONS = (*field_names(PairsOptions), *LORA_OPTIONS, *options_of(TEXT_PAIR_LOSSES))
 
 #: What text-text pairs never read (no image tower, no labels to probe): set, refused.
 IMAGE_OPTIONS = (

@@ -34,6 +34,7 @@ from contrastive_accelerate.methods.base import (
     view_halves,
 )
 from contrastive_accelerate.methods.loss_table import LOSSES, LossRow, options_of, tiled
+from contrastive_accelerate.methods.momentum import QUEUE_OPTIONS
 from losses import MoCoLoss
 from models import SimCLR
 from models.momentum import KeyQueue
@@ -142,7 +143,7 @@ def reads(config) -> tuple[str, ...]:
     """The queue's options, and those of the loss (its row's; with a loss that is not
     the family's, all of them: ``check`` refuses it)."""
     row = SIMCLR_LOSSES.get(config.loss or SIMCLR_FAMILY.losses[0])
-    return ("loss", "queue_size", "queue_keys", *(row.options if row else SIMCLR_LOSS_OPTIONS))
+    return ("loss", *QUEUE_OPTIONS, *(row.options if row else SIMCLR_LOSS_OPTIONS))
 
 
 def check(config) -> None:
@@ -163,7 +164,7 @@ def check_data(config, data: ImageData) -> None:
 SIMCLR = MethodRow(
     SimCLRMethod,
     image_data,
-    options=("loss", "queue_size", "queue_keys", *SIMCLR_LOSS_OPTIONS),
+    options=("loss", *QUEUE_OPTIONS, *SIMCLR_LOSS_OPTIONS),
     reads=reads,
     defaults=defaults,
     check=check,
