@@ -1,5 +1,6 @@
 """Every method's dataset and batch, on every kind of source its families read, and every
-sampler keep the written interfaces of ``contrastive_accelerate.data.interfaces``.
+sampler keep the written interfaces of ``contrastive_accelerate.data.interfaces``; every
+file format is read as its row of ``data.formats`` says.
 
 The cases are found from the tables: each family of each row of ``METHODS`` with each
 source of its own (``Family.sources``), so a new method, family or source is checked here
@@ -8,13 +9,18 @@ by being in the table (a family without a configuration below fails the first te
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from datasets import Dataset
 
-from contrastive_accelerate.data import GlobalBatchSampler
+from contrastive_accelerate.data import DataError, GlobalBatchSampler, load_image_dataset
+from contrastive_accelerate.data.formats import FORMATS, TABLE_BUILDERS
 from contrastive_accelerate.data.interfaces import Batch, BatchPlan, StreamDataset, TableDataset
 from contrastive_accelerate.data.mixture import Mixture, MixtureBatches
-from contrastive_accelerate.data.streams import stream_batches
+from contrastive_accelerate.data.streams import find_shards, stream_batches
 from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
@@ -90,3 +96,32 @@ def test_a_methods_dataset_and_batches_keep_the_interfaces(data, case):
         assert torch.equal(torch.cat([chunk.indices for chunk in chunks]), batch.indices)
     if source == "mixture":
         assert isinstance(MixtureBatches(built.dataset, 4, 0, 0, 1), BatchPlan)
+
+
+def test_every_file_format_is_read_as_its_row_says(tmp_path):
+    """Each row of ``data.formats.FORMATS``: a file of it is a table where the row has a
+    builder and refused as one where not; shards of it stream where the row has a reader
+    and are refused where not."""
+    rows = Dataset.from_dict({"anchor": ["a b", "c d", "e f"], "positive": ["b a", "d c", "f e"]})
+    writers = {".parquet": rows.to_parquet, ".jsonl": rows.to_json, ".csv": rows.to_csv,
+               ".json": lambda path: Path(path).write_text(json.dumps(rows.to_list()))}  # fmt: skip
+    assert set(writers) | {".tar"} == set(FORMATS)
+    for extension, row in FORMATS.items():
+        folder = tmp_path / extension[1:]
+        if extension == ".tar":
+            path = next(make_digit_tar_shards(folder, [3]).iterdir())
+        else:
+            folder.mkdir()
+            path = folder / f"pairs{extension}"
+            writers[extension](str(path))
+        if row.table is not None:
+            assert len(load_image_dataset(str(path), image_column="anchor").train) == 3
+        else:
+            with pytest.raises(DataError, match=f"expected one of {', '.join(TABLE_BUILDERS)}"):
+                load_image_dataset(str(path))
+        shards = str(folder / f"*{extension}")
+        if row.stream is not None:
+            assert find_shards(shards, None, 1).first_rows(1)
+        else:
+            with pytest.raises(DataError, match="shards are one format of"):
+                find_shards(shards, None, 1)

@@ -3,6 +3,7 @@
 One module per concern:
 
 - ``sources``: the dataset, its splits and columns (hub, local files, offline digits);
+- ``formats``: each file format, read as a table, as shards of a stream, or both;
 - ``decoding``: stored images as tensors, unreadable ones named;
 - ``augmentation``: each sample's views drawn from (seed, epoch, index) alone;
 - ``sampler``: the global batch from (seed, epoch) and each rank's contiguous share;

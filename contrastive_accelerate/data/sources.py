@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from contrastive_accelerate.data.formats import TABLE_BUILDERS
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.untrusted import preview, read_json
 
@@ -21,7 +22,6 @@ IMAGE_COLUMNS = ("image", "img", "pixel_values")
 LABEL_COLUMNS = ("label", "labels", "fine_label")
 EVAL_SPLITS = ("test", "validation", "valid", "val")
 #: Single data files that ``--dataset`` accepts, by suffix, and the ``datasets`` builder for each.
-DATA_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 
 
 class DataError(ValueError):
@@ -156,15 +156,15 @@ def load_splits(name: str | None, config_name: str | None):
             check_saved_dataset(name)
             dataset = datasets.load_from_disk(name)
         elif os.path.isfile(name):
-            if suffix not in DATA_FILE_BUILDERS:
+            if suffix not in TABLE_BUILDERS:
                 raise DataError(
-                    f"dataset file {name!r}: expected one of {', '.join(DATA_FILE_BUILDERS)}"
+                    f"dataset file {name!r}: expected one of {', '.join(TABLE_BUILDERS)}"
                 )
             if config_name:
                 raise DataError("--dataset-config does not apply to a single data file")
             if not _holds_text(name):  # datasets' own error is a bare StopIteration
                 raise DataError(f"dataset file {name!r} is empty")
-            dataset = datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files={"train": name})
+            dataset = datasets.load_dataset(TABLE_BUILDERS[suffix], data_files={"train": name})
         else:
             dataset = datasets.load_dataset(name, name=config_name)
     except DataError:

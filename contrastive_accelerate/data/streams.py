@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from contrastive_accelerate.config import option
+from contrastive_accelerate.data.formats import SHARD_READERS
 from contrastive_accelerate.data.sampler import derive_seed, share_sizes
 from contrastive_accelerate.data.sources import DataError, first_line
 from contrastive_accelerate.durable_files import content_digest
@@ -84,7 +85,6 @@ class StreamOptions:
 
 
 #: Shard formats by file suffix.
-SHARD_FORMATS = {".tar": "tar", ".jsonl": "jsonl", ".parquet": "parquet"}
 #: Tar members by their last extension, as webdataset decodes them (``seg.png`` is an
 #: image, ``b.txt`` a text): images stay undecoded bytes, decoded where the sample is used;
 #: texts, JSON and integers are read here. Nothing is unpickled (``pyd``, ``pth``, ``pkl``
@@ -177,7 +177,7 @@ def find_shards(
     formats, or for more streams than shards."""
     if os.path.isdir(dataset):
         paths = [os.path.join(dataset, name) for name in os.listdir(dataset)]
-        paths = [path for path in paths if os.path.splitext(path)[1] in SHARD_FORMATS]
+        paths = [path for path in paths if os.path.splitext(path)[1] in SHARD_READERS]
     else:
         paths = [path for path in glob.glob(dataset) if os.path.isfile(path)]
     if not paths and not glob.has_magic(dataset):
@@ -185,17 +185,17 @@ def find_shards(
     if not paths:
         raise DataError(
             f"--streaming --dataset {dataset!r}: no shards found (a folder or a glob of "
-            f"{', '.join(SHARD_FORMATS)} files)"
+            f"{', '.join(SHARD_READERS)} files)"
         )
     if config_name or split != "train":
         raise DataError("--dataset-config and --split apply to a hub dataset, not to shard files")
     formats = {os.path.splitext(path)[1] for path in paths}
-    if len(formats) > 1 or not formats <= set(SHARD_FORMATS):
+    if len(formats) > 1 or not formats <= set(SHARD_READERS):
         raise DataError(
             f"--streaming --dataset {dataset!r}: shards are one format of "
-            f"{', '.join(SHARD_FORMATS)}; found {', '.join(sorted(formats))}"
+            f"{', '.join(SHARD_READERS)}; found {', '.join(sorted(formats))}"
         )
-    source = ShardStreams(tuple(sorted(paths)), SHARD_FORMATS[formats.pop()], 1, shuffle_buffer)
+    source = ShardStreams(tuple(sorted(paths)), SHARD_READERS[formats.pop()], 1, shuffle_buffer)
     return _with_streams(source, streams)
 
 
