@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.image import ImageModel, projection_head
+from models.image import ImageModel, tower_projection_head
 
 
 class DINOHead(nn.Module):
@@ -83,8 +83,7 @@ class DINOModel(ImageModel):
         tower, width = self.add_tower(backbone, image_size, in_channels, dropout, drop_path)
         # SimCLR's head is drawn and dropped, as earlier versions did before replacing it:
         # a seed gives the weights it gave them.
-        projection_head(width, projection_hidden_dim, projection_dim, 2,
-                        batch_norm=tower.batch_norm, after_linear=tower.linear_output)  # fmt: skip
+        tower_projection_head(tower, width, projection_hidden_dim, projection_dim, 2)
         self.projection_head = DINOHead(
             width, dino_out_dim, projection_hidden_dim, projection_dim,
             batch_norm=tower.batch_norm,

@@ -70,6 +70,17 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
         return self.projection_head(self.encoder(images))
 
 
+def tower_projection_head(
+    tower: ImageTower, width: int, hidden: int, out: int, layers: int
+) -> nn.Sequential:
+    """SimCLR's projection head on ``tower`` (``width`` features): BatchNorm where the
+    tower has it, a leading ReLU where its output is a linear layer's."""
+    if layers < 2:
+        raise ValueError(f"projection_layers must be >= 2, got {layers}")
+    return projection_head(width, hidden, out, layers, batch_norm=tower.batch_norm,
+                           after_linear=tower.linear_output)  # fmt: skip
+
+
 def projection_head(
     in_dim: int, hidden: int, out: int, layers: int, batch_norm: bool, after_linear: bool = True
 ) -> nn.Sequential:

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from models.image import ImageModel, projection_head
+from models.image import ImageModel, projection_head, tower_projection_head
 from models.towers import image_tower
 
 
@@ -161,10 +161,9 @@ class PredictorModel(ImageModel):
             batch_norm=image_tower(backbone).batch_norm, after_linear=False,
         )  # fmt: skip
         tower, width = self.add_tower(backbone, image_size, in_channels, dropout, drop_path)
-        self.projection_head = projection_head(
-            width, projection_hidden_dim, projection_dim, projection_layers,
-            batch_norm=tower.batch_norm, after_linear=tower.linear_output,
-        )  # fmt: skip
+        self.projection_head = tower_projection_head(
+            tower, width, projection_hidden_dim, projection_dim, projection_layers
+        )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         projections = self.projection_head(self.encoder(images))

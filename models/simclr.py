@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from models.image import ImageModel, projection_head
+from models.image import ImageModel, tower_projection_head
 from models.towers import IMAGE_TOWERS, SMALL_IMAGE_MAX_SIZE
 
 BACKBONES = tuple(IMAGE_TOWERS)
@@ -53,8 +53,6 @@ class SimCLR(ImageModel):
         drop_path: float = 0.0,
     ) -> None:
         super().__init__()
-        if projection_layers < 2:
-            raise ValueError(f"projection_layers must be >= 2, got {projection_layers}")
         # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
         # the model, so DDP synchronises them and checkpoints carry them.
         self.log_logit_scale = (
@@ -66,11 +64,6 @@ class SimCLR(ImageModel):
         tower, width = self.add_tower(
             backbone, image_size, in_channels, dropout, drop_path, small_image_max_size
         )
-        self.projection_head = projection_head(
-            width,
-            projection_hidden_dim,
-            projection_dim,
-            projection_layers,
-            batch_norm=tower.batch_norm,
-            after_linear=tower.linear_output,
+        self.projection_head = tower_projection_head(
+            tower, width, projection_hidden_dim, projection_dim, projection_layers
         )

@@ -264,8 +264,7 @@ def check_data(config, data: PairData) -> None:
     loss = config.loss or IMAGE_TEXT_LOSSES[0]
     if loss not in IMAGE_TEXT_LOSSES:
         raise TrainerError(f"--loss {config.loss}: image-text pairs train with infonce or siglip")
-    unread = (*TEXT_PAIR_OPTIONS, *(n for n in SCALE_OPTIONS if n not in LOSSES[loss].options))
-    for name in unread:
+    for name in image_text_unread(loss):
         if is_set(config, name):
             raise TrainerError(
                 f"{flag(name)} does not apply to image-text pairs with --loss {loss}"
@@ -283,6 +282,12 @@ TEXT_PAIR_OPTIONS = ("two_towers", *options_of(TEXT_PAIR_LOSSES))
 SCALE_OPTIONS = options_of(IMAGE_TEXT_LOSSES)
 
 
+def image_text_unread(loss: str) -> tuple[str, ...]:
+    """What image-text pairs with ``loss`` do not read: the text pairs' own options, and
+    the scale options its row leaves out (SigLIP's bias for InfoNCE)."""
+    return (*TEXT_PAIR_OPTIONS, *(n for n in SCALE_OPTIONS if n not in LOSSES[loss].options))
+
+
 def reads(config) -> tuple[str, ...]:
     """Without ``--loss`` the data decide between text and image-text (``check_data``
     refuses what the data's kind does not read); with it, the loss does."""
@@ -290,8 +295,7 @@ def reads(config) -> tuple[str, ...]:
     if config.loss in TEXT_PAIR_LOSSES:
         return tuple(name for name in everything if name not in (*IMAGE_OPTIONS, *SCALE_OPTIONS))
     if config.loss in IMAGE_TEXT_LOSSES:
-        unread = (*TEXT_PAIR_OPTIONS,
-                  *(n for n in SCALE_OPTIONS if n not in LOSSES[config.loss].options))  # fmt: skip
+        unread = image_text_unread(config.loss)
         return tuple(name for name in everything if name not in unread)
     return everything
 
