@@ -137,7 +137,6 @@ def _train(
     if config.augmentation_seeding == "per-process":
         set_seed(config.seed, device_specific=True)  # the common practice: seed + rank
     model, optimizer = _distributed(config, accelerator, method)
-    learning_rate = warmup_cosine(config.lr, config.warmup_steps, total_steps)
 
     # Resume: model, optimizer and method state; the step gives the data position and the lr.
     samples, data_inputs = described(data.train)
@@ -155,17 +154,131 @@ def _train(
     if data.evaluation is not None and data.image_column is not None:
         knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column,
                        config.image_size, config.skip_bad_images)  # fmt: skip
-    # The encoder that evaluation sees: the student's, or the teacher's (--eval-teacher);
-    # under --fsdp sharded, every rank running the same forwards.
-    evaluated = method.evaluated_encoder
-    metrics: dict[str, float] = {}
+    training = _Training(config, accelerator, run, method, model, optimizer, state, signals, knn,
+                         StepChecks(accelerator.device), steps_per_epoch, total_steps)  # fmt: skip
+    progress = _Progress(step, saved_step=step, started_step=step)
     if step == 0 and knn is not None:
-        metrics["knn_top1_init"] = _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
-    # Non-finite losses and problems found without a collective: raised at logging and saving.
-    checks = StepChecks(accelerator.device)
-    save = partial(_save, accelerator, run, model, optimizer, method, state, checks)
+        progress.metrics["knn_top1_init"] = training.evaluate(step)
 
-    # Loop
+    # Loop, then save and evaluate
+    _loop(training, progress)
+    if not progress.preempted:
+        _finish(training, progress)
+    unwrapped = accelerator.unwrap_model(model)
+    if progress.preempted:
+        accelerator.print(f"stopped by {progress.preempted} {progress.where(resume_path)}; "
+                          "continue with --resume-from latest")  # fmt: skip
+    elif accelerator.is_main_process:
+        print(_summary(progress.metrics, config.knn_k, progress.final, knn), flush=True)
+    return TrainResult(unwrapped, progress.metrics, progress.step, progress.final,
+                       progress.last_checkpoint, progress.preempted)  # fmt: skip
+
+
+@dataclass
+class _Training:
+    """What the loop, the saves and the evaluations work on, as ``_train`` built it."""
+
+    config: TrainConfig
+    accelerator: Accelerator
+    run: RunDirectory
+    method: Method
+    model: torch.nn.Module  # DDP-wrapped, or sharded in place (--fsdp)
+    optimizer: torch.optim.Optimizer
+    state: RunState
+    signals: StopSignals
+    knn: KnnData | None
+    #: Non-finite losses and problems found without a collective: raised at logging and saving.
+    checks: StepChecks
+    steps_per_epoch: int
+    total_steps: int
+
+    def save(self, step: int) -> str:
+        """A checkpoint, written by the main process (every rank holds the same states),
+        or under --fsdp by every rank, each its shards."""
+        self.checks.raise_if_any()  # never a checkpoint of a model a non-finite loss trained
+        model, method = self.model, self.method
+        if is_sharded(model):
+            return self.run.save_checkpoint(step, model, self.optimizer, self.state,
+                                            method.state_dict())  # fmt: skip
+        return on_main_process(
+            self.run.save_checkpoint,
+            step,
+            self.accelerator.unwrap_model(model),
+            self.optimizer,
+            self.state,
+            method.state_dict(),
+            errors=(CheckpointError,),
+        )
+
+    def save_final(self) -> str:
+        """``final/``, written by the main process, or under --fsdp by every rank (one
+        tower whole at a time)."""
+        if is_sharded(self.model):
+            return self.run.save_final(self.model, self.method.state_dict())
+        return on_main_process(
+            self.run.save_final,
+            self.accelerator.unwrap_model(self.model),
+            self.method.state_dict(),
+            errors=(CheckpointError,),
+        )
+
+    def evaluate(self, step: int) -> float:
+        """kNN top-1 of the encoder that evaluation sees: the student's, or the teacher's
+        (--eval-teacher); under --fsdp sharded, every rank running the same forwards."""
+        encoder = self.method.evaluated_encoder()
+        encoder.eval()
+        accuracy = knn_top1(encoder, self.knn, k=self.config.knn_k)
+        encoder.train()
+        reshard_after_evaluation(encoder)
+        self.log({"knn_top1": accuracy}, step)
+        return accuracy
+
+    def log(self, record: dict, step: int) -> None:
+        """``record`` to the trackers and metrics.jsonl."""
+        self.accelerator.log(record, step=step)
+        if self.accelerator.is_main_process:
+            self.run.log({"step": step, **record})
+
+
+@dataclass
+class _Progress:
+    """Where the run is: its step, its checkpoints, its figures and what stopped it."""
+
+    step: int
+    saved_step: int  # the step of the last checkpoint, or where the run started
+    started_step: int
+    last_checkpoint: str | None = None  # the newest checkpoint this run wrote
+    final: str | None = None
+    preempted: str | None = None  # the signal that stopped the run, once agreed
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    skipped_samples: int = 0  # by this run, on all ranks (--skip-bad-images, --skip-bad-rows)
+
+    def stop(self, training: _Training) -> None:
+        """A stop agreed at this step: the checkpoint of the step, written now unless it
+        was just saved."""
+        if self.step != self.saved_step:
+            self.last_checkpoint = training.save(self.step)
+        self.preempted = training.signals.requested or "a signal to another rank"
+
+    def where(self, resume_path: str | None) -> str:
+        """Where a stopped run stands, for its last line."""
+        if self.last_checkpoint is None and self.step == self.started_step:
+            latest = f"{resume_path} is still the latest" if resume_path else "none written"
+            return f"before step {self.step + 1}, nothing trained: checkpoint {latest}"
+        trained = (
+            f" ({self.final} holds the trained model, not yet evaluated)" if self.final else ""
+        )
+        return f"at step {self.step}{trained}: checkpoint " + (
+            self.last_checkpoint or "of this step already saved"
+        )
+
+
+def _loop(training: _Training, progress: _Progress) -> None:
+    """Train from ``progress.step`` to the last step, or to a stop that the ranks agree
+    where they meet (each step's start, the final save, each evaluation): a checkpoint
+    of that step is written before the exit. The bar ends its line before any error;
+    the workers stop whatever ends the loop."""
+    config, accelerator, method = training.config, training.accelerator, training.method
     loader, sampler = train_loader(
         method.dataset,
         accelerator,
@@ -177,95 +290,75 @@ def _train(
         duplicate_keys=method.duplicate_keys(),
         per_rank_streams=config.stream_split == "per-rank",
     )
-    progress = tqdm(
-        total=total_steps,
-        initial=step,
-        disable=not accelerator.is_main_process,
-        desc="training",
-        dynamic_ncols=True,
-    )
-    started, started_step = time.perf_counter(), step
-    last_checkpoint, saved_step, preempted, final = None, step, None, None
-    skipped_samples = 0  # by this run, on all ranks (--skip-bad-images, --skip-bad-rows)
-    # A stop is agreed where the ranks meet (each step's start, the final save, each
-    # evaluation), and a checkpoint of that step is written before the exit.
-    # The bar ends its line before any error; the workers stop whatever ends the loop.
-    with progress, workers_stopped_on_exit(loader):
-        while step < total_steps and not preempted:
-            epoch, first_batch = divmod(step, steps_per_epoch)
+    learning_rate = warmup_cosine(config.lr, config.warmup_steps, training.total_steps)
+    bar = tqdm(total=training.total_steps, initial=progress.step, desc="training",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)  # fmt: skip
+    started = time.perf_counter()
+    with bar, workers_stopped_on_exit(loader):
+        while progress.step < training.total_steps and not progress.preempted:
+            epoch, first_batch = divmod(progress.step, training.steps_per_epoch)
             sampler.set_epoch(epoch, first_batch)
             for batch in loader:
-                stop, skipped = _stop_requested(signals, batch, config)
-                skipped_samples += skipped
+                stop, skipped = _stop_requested(training.signals, batch, config)
+                progress.skipped_samples += skipped
                 if stop:
-                    preempted, last_checkpoint = _stopped(signals, save, step, saved_step,
-                                                          last_checkpoint)  # fmt: skip
+                    progress.stop(training)
                     break
+                step = progress.step
                 # Every rank's share, known from the sampler: the losses exchange nothing
                 # (unless a rank skipped an image, or Accelerate shards: the control).
-                known = not skipped and config.data_sharding != "accelerate"
                 sizes = None
-                if known:
-                    sizes = checks.known_sizes(sampler.share_sizes(step % steps_per_epoch))
+                if not skipped and config.data_sharding != "accelerate":
+                    sizes = sampler.share_sizes(step % training.steps_per_epoch)
+                    sizes = training.checks.known_sizes(sizes)
                 lr = learning_rate(step)
-                loss = train_step(model, optimizer, method, batch, step=step, epoch=epoch, lr=lr,
-                                  sizes=sizes, chunks=config.accumulation_chunks,
+                loss = train_step(training.model, training.optimizer, method, batch,
+                                  step=step, epoch=epoch, lr=lr, sizes=sizes,
+                                  chunks=config.accumulation_chunks,
                                   backward=accelerator.backward)  # fmt: skip
-                checks.record(step, loss)
-                step += 1
-                progress.update(1)
-
-                if step % config.log_every == 0 or step == total_steps:
-                    checks.raise_if_any()
-                    trained = (step - started_step) * config.batch_size
-                    speed = trained / (time.perf_counter() - started)
+                training.checks.record(step, loss)
+                progress.step = step = step + 1
+                bar.update(1)
+                if step % config.log_every == 0 or step == training.total_steps:
+                    training.checks.raise_if_any()
+                    speed = (step - progress.started_step) * config.batch_size
                     counts = sampler.steps_per_source(step) if config.mixed else {}
-                    if skipped_samples:
-                        counts["skipped_samples"] = skipped_samples
-                    metrics |= _log(accelerator, run, progress, step, loss, lr, epoch, speed,
-                                    counts)  # fmt: skip
-                if config.save_every and step % config.save_every == 0:
-                    last_checkpoint, saved_step = save(step), step
-                if knn is not None and config.eval_every and step % config.eval_every == 0:
-                    if step < total_steps:
-                        _evaluate(accelerator, evaluated(), knn, config.knn_k, run, step)
-                if step == total_steps:
+                    figures = _log(training, bar, step, loss, lr, epoch,
+                                   speed / (time.perf_counter() - started),
+                                   counts, progress.skipped_samples)  # fmt: skip
+                    progress.metrics |= figures
+                _save_and_evaluate(training, progress)
+                if step == training.total_steps:
                     break
 
-    # Save, then evaluate: a failing evaluation never loses the trained model, and a
-    # signal during either leaves a checkpoint of the last step to finish from.
-    # Under --fsdp the model stays sharded: every rank takes part in the final save
-    # (one tower whole at a time) and in each evaluation's forwards.
-    unwrapped = accelerator.unwrap_model(model)
-    if not preempted:
-        final = _save_final(accelerator, run, model, method)
-        evaluations = [partial(_method_figures, accelerator, method, knn, run, step)]
-        if knn is not None:
-            evaluations[:0] = [
-                lambda: {"knn_top1": _evaluate(accelerator, evaluated(), knn, config.knn_k,
-                                               run, step)},
-                lambda: _baselines_and_probe(accelerator, evaluated(), knn, config, run, step),
-            ]  # fmt: skip
-        for evaluate in evaluations:
-            if any_rank(signals.requested is not None)[0]:
-                preempted, last_checkpoint = _stopped(signals, save, step, saved_step,
-                                                      last_checkpoint)  # fmt: skip
-                break
-            metrics |= evaluate()
 
-    if preempted:
-        trained = f" ({final} holds the trained model, not yet evaluated)" if final else ""
-        if last_checkpoint is None and step == started_step:  # before this run's first step
-            latest = f"{resume_path} is still the latest" if resume_path else "none written"
-            where = f"before step {step + 1}, nothing trained: checkpoint {latest}"
-        else:
-            where = f"at step {step}{trained}: checkpoint "
-            where += last_checkpoint or "of this step already saved"
-        accelerator.print(f"stopped by {preempted} {where}; continue with --resume-from latest")
-        return TrainResult(unwrapped, metrics, step, final, last_checkpoint, preempted)
-    if accelerator.is_main_process:
-        print(_summary(metrics, config.knn_k, final, knn), flush=True)
-    return TrainResult(unwrapped, metrics, step, final, last_checkpoint, None)
+def _save_and_evaluate(training: _Training, progress: _Progress) -> None:
+    """The checkpoint (--save-every) and the kNN evaluation (--eval-every) due after a step."""
+    config, step = training.config, progress.step
+    if config.save_every and step % config.save_every == 0:
+        progress.last_checkpoint, progress.saved_step = training.save(step), step
+    due = config.eval_every and step % config.eval_every == 0 and step < training.total_steps
+    if training.knn is not None and due:
+        training.evaluate(step)
+
+
+def _finish(training: _Training, progress: _Progress) -> None:
+    """Save, then evaluate: a failing evaluation never loses the trained model, and a
+    signal during either leaves a checkpoint of the last step to finish from. Under
+    --fsdp the model stays sharded: every rank takes part in the final save (one tower
+    whole at a time) and in each evaluation's forwards."""
+    progress.final = training.save_final()
+    evaluations = [partial(_method_figures, training, progress.step)]
+    if training.knn is not None:
+        evaluations[:0] = [
+            lambda: {"knn_top1": training.evaluate(progress.step)},
+            partial(_baselines_and_probe, training, progress.step),
+        ]
+    for evaluate in evaluations:
+        if any_rank(training.signals.requested is not None)[0]:
+            progress.stop(training)
+            return
+        progress.metrics |= evaluate()
 
 
 def train_step(
@@ -327,14 +420,6 @@ def _distributed(
     return accelerator.prepare(method.model, optimizer)
 
 
-def _stopped(signals: StopSignals, save, step: int, saved_step: int, last_checkpoint):
-    """A stop agreed at ``step``: the signal's name and the checkpoint of ``step``, written
-    now unless this step was just saved."""
-    if step != saved_step:
-        last_checkpoint = save(step)
-    return signals.requested or "a signal to another rank", last_checkpoint
-
-
 def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[bool, int]:
     """Whether any rank was signalled to stop, and how many samples the ranks skipped
     (a rank's share is then smaller than the sampler's). One exchange per step, before
@@ -356,53 +441,23 @@ def _stop_requested(signals: StopSignals, batch, config: TrainConfig) -> tuple[b
 
 
 def _log(
-    accelerator, run, progress, step, loss, lr, epoch, samples_per_s, counts
+    training: _Training, bar, step, loss, lr, epoch, samples_per_s, counts, skipped_samples
 ) -> dict[str, float]:
-    """The global loss (each rank's loss is W x its share: the mean is it), the speed and
-    ``counts`` (a mixture's steps per source, the samples skipped so far), to the progress
-    bar, the trackers and metrics.jsonl."""
+    """The global loss (each rank's loss is W x its share: the mean is it), the speed,
+    ``counts`` (a mixture's steps per source) and the samples skipped so far, to the
+    progress bar, the trackers and metrics.jsonl."""
     record = {
-        "loss": accelerator.reduce(loss.detach(), "mean").item(),
+        "loss": training.accelerator.reduce(loss.detach(), "mean").item(),
         "samples_per_s": samples_per_s,
         "lr": lr,
         "epoch": epoch,
         **counts,
     }
-    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.3g}")
-    accelerator.log(record, step=step)
-    if accelerator.is_main_process:
-        run.log({"step": step, **record})
+    if skipped_samples:
+        record["skipped_samples"] = skipped_samples
+    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.3g}")
+    training.log(record, step)
     return {"loss": record["loss"], "samples_per_s": samples_per_s}
-
-
-def _save(accelerator, run, model, optimizer, method, state, checks, step: int) -> str:
-    """A checkpoint, written by the main process (every rank holds the same states), or
-    under --fsdp by every rank, each its shards."""
-    checks.raise_if_any()  # never a checkpoint of a model that a non-finite loss trained
-    if is_sharded(model):
-        return run.save_checkpoint(step, model, optimizer, state, method.state_dict())
-    return on_main_process(
-        run.save_checkpoint,
-        step,
-        accelerator.unwrap_model(model),
-        optimizer,
-        state,
-        method.state_dict(),
-        errors=(CheckpointError,),
-    )
-
-
-def _save_final(accelerator, run: RunDirectory, model, method: Method) -> str:
-    """``final/``, written by the main process, or under --fsdp by every rank (one tower
-    whole at a time)."""
-    if is_sharded(model):
-        return run.save_final(model, method.state_dict())
-    return on_main_process(
-        run.save_final,
-        accelerator.unwrap_model(model),
-        method.state_dict(),
-        errors=(CheckpointError,),
-    )
 
 
 def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -> int:
@@ -430,20 +485,11 @@ def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -
     return checkpoint.step
 
 
-def _evaluate(accelerator, encoder, knn: KnnData, k: int, run: RunDirectory, step: int) -> float:
-    encoder.eval()
-    accuracy = knn_top1(encoder, knn, k=k)
-    encoder.train()
-    reshard_after_evaluation(encoder)
-    accelerator.log({"knn_top1": accuracy}, step=step)
-    if accelerator.is_main_process:
-        run.log({"step": step, "knn_top1": accuracy})
-    return accuracy
-
-
-def _baselines_and_probe(accelerator, encoder, knn: KnnData, config, run, step: int) -> dict:
+def _baselines_and_probe(training: _Training, step: int) -> dict:
     """What the trained encoder's figures mean: kNN on raw pixels of the same held-out
     images, and with ``--linear-probe`` the probe of the encoder's and of raw features."""
+    knn, config = training.knn, training.config
+    encoder = training.method.evaluated_encoder()
     encoder.eval()
     results = {"raw_pixels_knn_top1": knn_top1(RawPixels(), knn, k=config.knn_k)}
     if config.linear_probe:
@@ -451,20 +497,16 @@ def _baselines_and_probe(accelerator, encoder, knn: KnnData, config, run, step: 
         results["raw_pixels_linear_probe_top1"] = linear_probe_top1(RawPixels(), knn)
     encoder.train()
     reshard_after_evaluation(encoder)
-    accelerator.log(results, step=step)
-    if accelerator.is_main_process:
-        run.log({"step": step, **results})
+    training.log(results, step)
     return results
 
 
-def _method_figures(accelerator, method, knn, run: RunDirectory, step: int) -> dict:
+def _method_figures(training: _Training, step: int) -> dict:
     """The method's own final figures (``method.evaluate``: zero-shot, retrieval), logged
     like the kNN's."""
-    results = method.evaluate(knn)
+    results = training.method.evaluate(training.knn)
     if results:
-        accelerator.log(results, step=step)
-        if accelerator.is_main_process:
-            run.log({"step": step, **results})
+        training.log(results, step)
     return results
 
 
