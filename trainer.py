@@ -37,10 +37,10 @@ from contrastive_accelerate.data import (
     train_loader,
     workers_stopped_on_exit,
 )
+from contrastive_accelerate.figures import baselines_and_probe, final_summary
 from contrastive_accelerate.grad_cache import cached_backward
-from contrastive_accelerate.knn import KnnData, RawPixels, knn_data, knn_top1
+from contrastive_accelerate.knn import KnnData, knn_data, knn_top1
 from contrastive_accelerate.launch import make_accelerator, one_line_errors
-from contrastive_accelerate.linear_probe import linear_probe_top1
 from contrastive_accelerate.methods import METHODS, Method
 from contrastive_accelerate.optim import make_optimizer, warmup_cosine
 from contrastive_accelerate.options import TrainConfig, check_data, check_launch, check_steps
@@ -169,7 +169,7 @@ def _train(
         accelerator.print(f"stopped by {progress.preempted} {progress.where(resume_path)}; "
                           "continue with --resume-from latest")  # fmt: skip
     elif accelerator.is_main_process:
-        print(_summary(progress.metrics, config.knn_k, progress.final, knn), flush=True)
+        print(final_summary(progress.metrics, config.knn_k, progress.final, knn), flush=True)
     return TrainResult(unwrapped, progress.metrics, progress.step, progress.final,
                        progress.last_checkpoint, progress.preempted)  # fmt: skip
 
@@ -196,31 +196,21 @@ class _Training:
         """A checkpoint, written by the main process (every rank holds the same states),
         or under --fsdp by every rank, each its shards."""
         self.checks.raise_if_any()  # never a checkpoint of a model a non-finite loss trained
-        model, method = self.model, self.method
-        if is_sharded(model):
-            return self.run.save_checkpoint(step, model, self.optimizer, self.state,
-                                            method.state_dict())  # fmt: skip
-        return on_main_process(
-            self.run.save_checkpoint,
-            step,
-            self.accelerator.unwrap_model(model),
-            self.optimizer,
-            self.state,
-            method.state_dict(),
-            errors=(CheckpointError,),
-        )
+        states = (self.optimizer, self.state, self.method.state_dict())
+        if is_sharded(self.model):
+            return self.run.save_checkpoint(step, self.model, *states)
+        model = self.accelerator.unwrap_model(self.model)
+        return on_main_process(self.run.save_checkpoint, step, model, *states,
+                               errors=(CheckpointError,))  # fmt: skip
 
     def save_final(self) -> str:
         """``final/``, written by the main process, or under --fsdp by every rank (one
         tower whole at a time)."""
         if is_sharded(self.model):
             return self.run.save_final(self.model, self.method.state_dict())
-        return on_main_process(
-            self.run.save_final,
-            self.accelerator.unwrap_model(self.model),
-            self.method.state_dict(),
-            errors=(CheckpointError,),
-        )
+        model = self.accelerator.unwrap_model(self.model)
+        return on_main_process(self.run.save_final, model, self.method.state_dict(),
+                               errors=(CheckpointError,))  # fmt: skip
 
     def evaluate(self, step: int) -> float:
         """kNN top-1 of the encoder that evaluation sees: the student's, or the teacher's
@@ -486,17 +476,10 @@ def _resume(accelerator, model, optimizer, method, path: str, state: RunState) -
 
 
 def _baselines_and_probe(training: _Training, step: int) -> dict:
-    """What the trained encoder's figures mean: kNN on raw pixels of the same held-out
-    images, and with ``--linear-probe`` the probe of the encoder's and of raw features."""
-    knn, config = training.knn, training.config
+    """What the trained encoder's figures mean (``figures.baselines_and_probe``), logged."""
     encoder = training.method.evaluated_encoder()
-    encoder.eval()
-    results = {"raw_pixels_knn_top1": knn_top1(RawPixels(), knn, k=config.knn_k)}
-    if config.linear_probe:
-        results["linear_probe_top1"] = linear_probe_top1(encoder, knn)
-        results["raw_pixels_linear_probe_top1"] = linear_probe_top1(RawPixels(), knn)
-    encoder.train()
-    reshard_after_evaluation(encoder)
+    config = training.config
+    results = baselines_and_probe(encoder, training.knn, config.knn_k, config.linear_probe)
     training.log(results, step)
     return results
 
@@ -508,30 +491,6 @@ def _method_figures(training: _Training, step: int) -> dict:
     if results:
         training.log(results, step)
     return results
-
-
-def _summary(metrics: dict[str, float], k: int, final: str, knn: KnnData | None) -> str:
-    """The final figures, each next to its raw-pixel baseline on the same held-out images."""
-    lines = [f"final model: {final}"]
-    if "loss" in metrics:
-        lines.append(f"final loss: {metrics['loss']:.4f}")
-    if knn is not None:
-        held_out = f"{len(knn.query_labels)} held-out images"
-        line = f"kNN top-1 (k={k}, {held_out}): raw pixels {metrics['raw_pixels_knn_top1']:.1%},"
-        if "knn_top1_init" in metrics:
-            line += f" random init {metrics['knn_top1_init']:.1%} ->"
-        lines.append(f"{line} trained {metrics['knn_top1']:.1%}")
-    if "linear_probe_top1" in metrics:
-        raw, trained = metrics["raw_pixels_linear_probe_top1"], metrics["linear_probe_top1"]
-        probe = f"linear probe top-1 ({held_out}): raw pixels {raw:.1%}"
-        lines.append(f"{probe}, trained {trained:.1%}")
-    if "zero_shot_top1" in metrics:
-        lines.append(f"zero-shot top-1 ({held_out}): {metrics['zero_shot_top1']:.1%}")
-    retrieval = {key: value for key, value in metrics.items() if "@" in key}
-    if retrieval:
-        figures = ", ".join(f"{key} {value:.3f}" for key, value in retrieval.items())
-        lines.append(f"retrieval on the held-out pairs: {figures}")
-    return "\n".join(lines)
 
 
 def _flat_for_trackers(config: TrainConfig) -> dict:

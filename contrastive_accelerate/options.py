@@ -48,7 +48,7 @@ from contrastive_accelerate.methods.loss_table import LossOptions
 from contrastive_accelerate.methods.momentum import QueueOptions, TeacherOptions
 from contrastive_accelerate.methods.pairs import LoRAOptions, PairsOptions
 from contrastive_accelerate.optim import OPTIMIZERS
-from models.towers import IMAGE_TOWERS
+from models.towers import IMAGE_TOWERS, PretrainedTowerOptions, TowerOptions
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 #: What only ``--streaming`` reads.
@@ -60,7 +60,7 @@ MIXTURE_OPTIONS = field_names(MixtureOptions)
 @dataclass
 class TrainConfig(
     StreamOptions, MixtureOptions, LossOptions, TeacherOptions, QueueOptions, DINOOptions,
-    LoRAOptions, PairsOptions,
+    LoRAOptions, PairsOptions, PretrainedTowerOptions, TowerOptions,
 ):  # fmt: skip
     """Every option of a run: a ``--flag`` and a config-file key each. ``resume`` says
     whether a resumed run may change it (default "refuse"; ``contrastive_accelerate.config``).
@@ -69,7 +69,8 @@ class TrainConfig(
     holds (``StreamOptions`` in ``data.streams``, ``MixtureOptions`` in ``data.mixture``,
     ``LossOptions`` in ``methods.loss_table``, ``TeacherOptions`` and ``QueueOptions`` in
     ``methods.momentum``, ``DINOOptions`` in ``methods.dino``, ``PairsOptions`` and
-    ``LoRAOptions`` in ``methods.pairs``)."""
+    ``LoRAOptions`` in ``methods.pairs``, ``TowerOptions`` and ``PretrainedTowerOptions``
+    in ``models.towers``)."""
 
     # Data
     dataset: str | tuple[str, ...] | None = option(
@@ -104,30 +105,15 @@ class TrainConfig(
         None, "a row of the methods table; none: simclr, pairs if --columns",
         choices=METHODS,
     )  # fmt: skip
-    model: str = option("resnet18", "encoder", choices=IMAGE_TOWERS)
     dtype: str = option("float32", "parameter dtype; float64 for exactness checks", choices=DTYPES)
     loss: str | None = option(
         None, "objective, exact on any number of processes; none: ntxent, pairs: mnrl / infonce",
         choices=LOSSES,
     )  # fmt: skip
-    dropout: float | None = option(
-        None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
-    )
-    drop_path: float = option(
-        0.0, "vit: stochastic depth of the last block, linear from 0 (DINO: 0.1)",
-        at_least=0.0, below=1.0,
-    )  # fmt: skip
-    sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
-    # Text pairs (--method pairs)
     # Optimisation
     batch_size: int = option(64, "global batch size, split across processes", at_least=2)
     accumulation_chunks: int = option(
         1, "gradient caching: embed each share in K chunks", resume="apply", at_least=1
-    )
-    gradient_checkpointing: bool = option(
-        False,
-        "recompute each block in backward: resnets, vits, transformers towers",
-        resume="apply",
     )
     fsdp: bool = option(
         False,
@@ -203,7 +189,8 @@ class TrainConfig(
                 loss = self.loss or row.defaults(self)["loss"]
                 raise ConfigError(f"{flag(name)} does not apply to --loss {loss}")
             raise ConfigError(f"{flag(name)} does not apply to --method {method}")
-        METHODS[method].check(self)  # first: --image-model replaces --model's tower
+        composition.check_tower_kind(self)  # first: --image-model replaces --model's tower
+        METHODS[method].check(self)
         composition.check_tower_options(self, row)
         self._check_streams_and_mixtures()
 

@@ -1,5 +1,13 @@
-"""The image towers trained from scratch (``--model``): one row of ``IMAGE_TOWERS``
-each, which says what the tower is made of and builds it.
+"""Every tower, one table: ``TOWER_KINDS`` has a row per kind of tower (from scratch,
+a ``transformers`` vision model, a whole CLIP or SigLIP checkpoint, a timm model, a
+``transformers`` text model), and the towers from scratch (``--model``) are the rows of
+``IMAGE_TOWERS``, each of which says what the tower is made of and builds it.
+
+A kind's row says the option that names it, what it embeds, the options only it
+reads and those its own configuration holds (both refused where they do not apply:
+``methods.composition``), how it loads (imported then: an image-only run never
+imports ``transformers``) and what ``final/`` exports of it. The methods' families
+say which kinds they train (``methods.base.Family.towers``).
 
 A row is what the options and the methods ask of a tower: the options it reads
 (``options``: set for a tower without them, they are refused), whether it holds
@@ -8,8 +16,12 @@ gradient caching care), whether it takes other input sizes than ``--image-size``
 (DINO's local crops), and ``build``, which makes the encoder and says its width. Every
 tower starts from random weights: nothing downloads.
 
-Adding a tower, a checklist: its builder and one row here; its tests grow from the
-table (``tests/test_towers.py`` builds every row and checks what it says).
+Adding a tower from scratch, a checklist: its builder and one row of ``IMAGE_TOWERS``;
+its tests grow from the table (``tests/test_towers.py`` builds every row and checks
+what it says). Adding a kind of tower: its loader in a module of its own (as
+``models.vision``), one row of ``TOWER_KINDS`` and its options in a section here (as
+``PretrainedTowerOptions``); the families that train it name it, and
+``tests/test_composition.py`` trains or refuses every method on it.
 
 Example::
 
@@ -19,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +40,8 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torchvision.ops import StochasticDepth
+
+from contrastive_accelerate.config import option
 
 #: Vision Transformers (Dosovitskiy et al., 2021) in DeiT's sizes (Touvron et al., 2021):
 #: layers, heads, width, MLP width.
@@ -220,3 +235,119 @@ def image_tower(name: str) -> ImageTower:
 def towers_reading(option: str) -> tuple[str, ...]:
     """The towers whose rows read ``option``."""
     return tuple(name for name, row in IMAGE_TOWERS.items() if option in row.options)
+
+
+@dataclass
+class TowerOptions:
+    """The options of the towers from scratch, a section of ``TrainConfig``
+    (``contrastive_accelerate.options``): each a ``--flag`` and a config-file key, read
+    where a row of ``IMAGE_TOWERS`` says (``towers_reading``)."""
+
+    model: str = option("resnet18", "encoder", choices=IMAGE_TOWERS)
+    dropout: float | None = option(
+        None, "vit, mlp: dropout; none: 0.1 for the vits, else 0", at_least=0.0, below=1.0
+    )
+    drop_path: float = option(
+        0.0, "vit: stochastic depth of the last block, linear from 0 (DINO: 0.1)",
+        at_least=0.0, below=1.0,
+    )  # fmt: skip
+    sync_batchnorm: bool = option(True, "BatchNorm statistics of the global batch when W > 1")
+    gradient_checkpointing: bool = option(
+        False,
+        "recompute each block in backward: resnets, vits, transformers towers",
+        resume="apply",
+    )
+
+
+#: ``--image-model``'s poolings (``models.vision.VisionTower``): ``pooled``, the model's own
+#: pooled output (CLIP's and DINOv2's layer-normed class token, SigLIP's attention
+#: pooling head, ViT's pooler); ``cls``: the first token's last hidden state; ``mean``:
+#: the mean of the patch tokens' (class and register tokens left out).
+IMAGE_POOLINGS = ("pooled", "cls", "mean")
+
+
+@dataclass
+class PretrainedTowerOptions:
+    """The options that name a pretrained tower (the ``option`` of a ``TOWER_KINDS`` row)
+    and what only such a tower reads, a section of ``TrainConfig``."""
+
+    text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
+    clip_model: str | None = option(
+        None, "image-text: a whole CLIP or SigLIP model directory or hub name, both towers"
+    )
+    image_model: str | None = option(
+        None, "image-text: a transformers vision model directory or hub name, for --model"
+    )
+    image_pooling: str = option(
+        "pooled", "--image-model: its pooled output, the first token or the patches' mean",
+        choices=IMAGE_POOLINGS,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TowerKind:
+    """A kind of tower: how the options name it, what it takes, how it loads and what
+    ``final/`` exports of it."""
+
+    #: As a refusal names it.
+    description: str
+    #: The option that names it (None: none yet).
+    option: str | None
+    #: What it embeds: "images", "texts" or both.
+    embeds: tuple[str, ...]
+    #: The options that only this kind reads: set with another kind, they are refused.
+    reads: tuple[str, ...] = ()
+    #: The options whose part its own checkpoint holds: set with it, they are refused.
+    replaces: tuple[str, ...] = ()
+    #: ``"module:function"`` that loads it from a directory or a hub name (imported
+    #: when a run loads one); None: built from a row of ``IMAGE_TOWERS``, or none yet.
+    loader: str | None = None
+    #: What ``final/`` holds of it, and how it is read back.
+    exports: str = ""
+
+    def load(self, *args, **kwargs):
+        """The loader's result for ``args``: the tower and its tokenizer or processor."""
+        module, name = self.loader.split(":")
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+TOWER_KINDS: dict[str, TowerKind] = {
+    "scratch": TowerKind(
+        "a tower from scratch (--model)", "model", ("images",),
+        exports="final/: the tower and the method's heads, the model class's from_pretrained",
+    ),
+    "transformers": TowerKind(
+        "a transformers vision tower (--image-model)", "image_model", ("images",),
+        reads=("image_pooling",), replaces=("model", "dropout", "drop_path"),
+        loader="models.vision:load_vision_encoder",
+        exports="final/image/: AutoModel.from_pretrained, its image processor beside it",
+    ),
+    "clip": TowerKind(
+        "a whole CLIP or SigLIP model (--clip-model)", "clip_model", ("images", "texts"),
+        replaces=("text_model", "image_model", "model", "dropout", "drop_path",
+                  "projection_dim", "text_pooling", "image_pooling", "logit_scale_init",
+                  "logit_bias_init"),
+        loader="models.dual_encoder:load_dual_encoder",
+        exports="final/: AutoModel.from_pretrained, both towers, tokenizer and processor",
+    ),
+    "timm": TowerKind("a timm model", None, ("images",), exports="(no option yet)"),
+    "text": TowerKind(
+        "a transformers text tower (--text-model)", "text_model", ("texts",),
+        loader="models.text:load_text_encoder",
+        exports="final/tower<i>/: AutoModel.from_pretrained; final/sentence_transformer/",
+    ),
+}  # fmt: skip
+
+#: The kinds of image tower, as a refusal names them (the composition matrix's rows).
+IMAGE_TOWER_KINDS = {
+    kind: row.description for kind, row in TOWER_KINDS.items() if "images" in row.embeds
+}
+
+
+def image_tower_kind(config) -> str:
+    """The kind of image tower the options name: the first pretrained kind whose option
+    is set (a whole checkpoint first), else the tower from scratch."""
+    named = [kind for kind, row in TOWER_KINDS.items()
+             if kind != "scratch" and "images" in row.embeds and row.option
+             and getattr(config, row.option)]  # fmt: skip
+    return max(named, key=lambda kind: len(TOWER_KINDS[kind].embeds), default="scratch")

@@ -20,12 +20,8 @@ from torch import nn
 from models.dropout import sample_randomness
 from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
+from models.towers import IMAGE_POOLINGS
 
-#: ``pooled``: the model's own pooled output (CLIP's and DINOv2's layer-normed class
-#: token, SigLIP's attention pooling head, ViT's pooler); ``cls``: the first token's last
-#: hidden state; ``mean``: the mean of the patch tokens' (class and register tokens left
-#: out).
-IMAGE_POOLINGS = ("pooled", "cls", "mean")
 #: The data's normalisation (``contrastive_accelerate.data.NORMALIZE``): pixels in [-1, 1].
 DATA_MEAN, DATA_STD = 0.5, 0.5
 

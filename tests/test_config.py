@@ -12,14 +12,9 @@ import yaml
 
 from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
 from contrastive_accelerate.launch import TrainerError
-from contrastive_accelerate.methods import (
-    DINO_OPTIONS,
-    LORA_OPTIONS,
-    METHOD_OPTIONS,
-    SIMCLR_LOSSES,
-    TEXT_OPTIONS,
-)
+from contrastive_accelerate.methods import DINO_OPTIONS, METHOD_OPTIONS, METHODS, SIMCLR_LOSSES
 from contrastive_accelerate.options import MIXTURE_OPTIONS, STREAMING_OPTIONS, check_data
+from models.towers import IMAGE_TOWERS, TOWER_KINDS
 from trainer import TrainConfig
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -49,28 +44,33 @@ VALUES["mixture_weights"] = "2,1"  # one per source of MIXED
 # Options valid only beside another option's value.
 STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
 MIXED = ["--dataset", "one", "--dataset", "two", "--max-steps", "5", "--columns", "a,b"]
-COMPANIONS = {
-    "dropout": ["--model", "mlp"],
-    "drop_path": ["--model", "vit_tiny"],
-    "teacher_momentum": ["--method", "moco"],
-    "queue_size": ["--method", "moco"],
-    "queue_keys": ["--method", "moco"],
-    "eval_teacher": ["--method", "moco"],
-    **{name: ["--method", "dino"] for name in DINO_OPTIONS},
-    **{
-        name: ["--loss", loss]
-        for loss, row in SIMCLR_LOSSES.items()
-        for name in row.options
-        if name != "temperature"
-    },  # fmt: skip
-    **{name: ["--columns", "anchor,positive"] for name in TEXT_OPTIONS if name != "columns"},
-    "image_pooling": ["--columns", "image,caption", "--image-model", "vit"],
-    "gradient_checkpointing": ["--model", "vit_tiny"],
-    **{name: ["--columns", "a,b", "--lora-rank", "4"] for name in LORA_OPTIONS[1:]},
-    **{name: [*STREAMED, "--streaming"] for name in STREAMING_OPTIONS},
-    "streaming": STREAMED,
-    **{name: MIXED for name in MIXTURE_OPTIONS},
-}
+PAIRS = ["--columns", "a,b"]  # what --method pairs needs besides its row
+
+
+def _part_flags() -> list[list[str]]:
+    """A command line for every row of every table: each method (with each loss its
+    families take), each tower from scratch, each kind of tower its option names, each
+    kind of source, and LoRA's adapters: an option applies under one of them."""
+    methods = {name: ["--method", name, *(PAIRS if name == "pairs" else [])] for name in METHODS}
+    lines = [*methods.values()]
+    lines += [[*methods[name], "--loss", loss] for name, row in METHODS.items()
+              for family in row.families for loss in family.losses]  # fmt: skip
+    lines += [["--model", tower] for tower in IMAGE_TOWERS]
+    lines += [[flag(kind.option), "vit", *PAIRS] for kind in TOWER_KINDS.values()
+              if kind.option not in (None, "model")]  # --model: IMAGE_TOWERS' rows  # fmt: skip
+    lines += [[*STREAMED, "--streaming"], MIXED, [*PAIRS, "--lora-rank", "4"]]
+    return lines
+
+
+def _companions(name: str, value) -> list[str]:
+    """The first of ``_part_flags`` under which ``name`` set to ``value`` is accepted."""
+    for line in [[], *_part_flags()]:
+        try:
+            parse_args(TrainConfig, _cli(name, value) + line)
+        except ConfigError:
+            continue
+        return line
+    raise AssertionError(f"no row of a table reads {flag(name)}: is it a part's option?")
 
 
 def _cli(name: str, value) -> list[str]:
@@ -158,7 +158,7 @@ def test_moco_byol_and_dino_take_their_digits_recipes_when_their_flags_are_left_
 def test_every_field_is_settable_from_the_command_line(field):
     value = VALUES[field.name]
     assert value != field.default
-    config = parse_args(TrainConfig, _cli(field.name, value) + COMPANIONS.get(field.name, []))
+    config = parse_args(TrainConfig, _cli(field.name, value) + _companions(field.name, value))
     assert getattr(config, field.name) == value
 
 

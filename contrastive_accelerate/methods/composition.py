@@ -22,10 +22,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contrastive_accelerate.config import ConfigError, flag
+from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import Family, MethodRow
-from models.towers import IMAGE_TOWERS, TOWER_OPTIONS, towers_reading
+from models.towers import (
+    IMAGE_TOWER_KINDS,
+    IMAGE_TOWERS,
+    TOWER_KINDS,
+    TOWER_OPTIONS,
+    image_tower_kind,
+    towers_reading,
+)
 
 #: The kinds of source, as a refusal names them.
 SOURCES = {
@@ -33,14 +40,8 @@ SOURCES = {
     "stream": "streamed shards (--streaming)",
     "mixture": "a mixture (several --dataset)",
 }
-#: The kinds of image tower, as a refusal names them. timm has no option yet: its
-#: column shows what is missing.
-TOWERS = {
-    "scratch": "a tower from scratch (--model)",
-    "transformers": "a transformers vision tower (--image-model)",
-    "clip": "a whole CLIP or SigLIP model (--clip-model)",
-    "timm": "a timm model",
-}
+#: The kinds of image tower, as a refusal names them (``models.towers.TOWER_KINDS``).
+TOWERS = IMAGE_TOWER_KINDS
 
 
 def source_kind(config) -> str:
@@ -50,7 +51,7 @@ def source_kind(config) -> str:
 
 def tower_kind(config) -> str:
     """The kind of image tower the options name (a key of ``TOWERS``)."""
-    return "clip" if config.clip_model else "transformers" if config.image_model else "scratch"
+    return image_tower_kind(config)
 
 
 def refusal(family: Family, source: str, tower: str | None) -> str | None:
@@ -90,6 +91,20 @@ def check_tower_options(config, row: MethodRow) -> None:
         if getattr(config, name) and name not in read:  # resolved: dropout 0.0
             towers = ", ".join(towers_reading(name))
             raise ConfigError(f"{flag(name)} applies to {towers}, not --model {config.model}")
+
+
+def check_tower_kind(config) -> None:
+    """Refuse what the named kind of tower holds in its own checkpoint (its row's
+    ``replaces``: a CLIP checkpoint's text tower, a vision model's dropout) and what only
+    a kind not named reads (``reads``: ``--image-pooling`` without ``--image-model``)."""
+    named = TOWER_KINDS[tower_kind(config)]
+    for name in named.replaces:
+        if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
+            raise ConfigError(f"{flag(name)} does not apply with {flag(named.option)} (its own)")
+    for row in TOWER_KINDS.values():
+        for name in row.reads if row is not named else ():
+            if is_set(config, name):
+                raise ConfigError(f"{flag(name)} applies to {flag(row.option)}")
 
 
 def check_family(config, family: Family) -> None:

@@ -40,6 +40,7 @@ from contrastive_accelerate.methods.pairs import (
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import SimCLR, sample_keys
+from models.towers import TOWER_KINDS
 
 #: CLIP clamps its learnable logit scale at 100.
 MAX_LOGIT_SCALE = 100.0
@@ -200,17 +201,12 @@ def pretrained_image_model(
     as CLIP's is; the image size (``--image-size``, else its processor's); and the
     digests of its weights and processor. Its dropout is keyed by sample like the other
     towers'; parameters the pooling never reaches are frozen."""
-    from models.vision import (
-        PretrainedImageModel,
-        VisionTower,
-        load_vision_encoder,
-        processor_image_size,
-    )
+    from models.vision import PretrainedImageModel, VisionTower, processor_image_size
 
     name, dtype = config.image_model, DTYPES[config.dtype]
     if reason := unreachable_reason(name, "models"):
         raise TrainerError(f"cannot load --image-model {name!r}: {reason}")
-    encoder, processor = load_vision_encoder(name, dtype)
+    encoder, processor = TOWER_KINDS["transformers"].load(name, dtype)
     digests = {"weights": weights_digest(encoder)}  # before adapters rename its weights
     encoder = adapted(encoder, config, "image", "--image-model")
     size = config.image_size or processor_image_size(processor)
@@ -234,13 +230,13 @@ def dual_encoder(config, world_size: int, say: Say) -> tuple[nn.Module, int, dic
     """``--clip-model``'s whole model (``models.dual_encoder.DualEncoder``): its dropout
     keyed by sample, its layers checkpointed and adapted as the options say; the image
     size (``--image-size``, else its processor's); and the digests of what it loaded."""
-    from models.dual_encoder import TOWERS, DualEncoder, load_dual_encoder
+    from models.dual_encoder import TOWERS, DualEncoder
     from models.vision import processor_image_size
 
     name, dtype = config.clip_model, DTYPES[config.dtype]
     if reason := unreachable_reason(name, "models"):
         raise TrainerError(f"cannot load --clip-model {name!r}: {reason}")
-    model, tokenizer, processor = load_dual_encoder(name, dtype)
+    model, tokenizer, processor = TOWER_KINDS["clip"].load(name, dtype)
     digests = {**text_model_digests(model, tokenizer),  # its weights, its tokenizer
                "processor": processor_digest(processor)}  # fmt: skip
     projections = tuple(n for n in ("visual_projection", "text_projection") if hasattr(model, n))

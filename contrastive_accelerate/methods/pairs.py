@@ -40,7 +40,7 @@ from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
 from models.text import POOLINGS
-from models.vision import IMAGE_POOLINGS
+from models.towers import TOWER_KINDS, PretrainedTowerOptions
 
 
 @dataclass
@@ -52,17 +52,6 @@ class PairsOptions:
     columns: str | tuple[str, ...] | None = option(
         None, "pairs: anchor,positive[,negative...]; one for all --dataset or one each"
     )
-    text_model: str | None = option(None, "pairs: a transformers model directory or hub name")
-    clip_model: str | None = option(
-        None, "image-text: a whole CLIP or SigLIP model directory or hub name, both towers"
-    )
-    image_model: str | None = option(
-        None, "image-text: a transformers vision model directory or hub name, for --model"
-    )
-    image_pooling: str = option(
-        "pooled", "--image-model: its pooled output, the first token or the patches' mean",
-        choices=IMAGE_POOLINGS,
-    )  # fmt: skip
     text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
     max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
     two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
@@ -113,7 +102,8 @@ TEXT_PAIR_LOSSES, IMAGE_TEXT_LOSSES = TEXT_PAIRS.losses, IMAGE_TEXT.losses
 PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 
 #: What only pairs read.
-TEXT_OPTIONS = (*field_names(PairsOptions), *LORA_OPTIONS, *options_of(TEXT_PAIR_LOSSES))
+TEXT_OPTIONS = (*field_names(PairsOptions), *field_names(PretrainedTowerOptions), *LORA_OPTIONS,
+                *options_of(TEXT_PAIR_LOSSES))  # fmt: skip
 
 #: What text-text pairs never read (no image tower, no labels to probe): set, refused.
 IMAGE_OPTIONS = (
@@ -136,11 +126,6 @@ IMAGE_OPTIONS = (
     "image_pooling",
 )
 #: What ``--clip-model``'s two towers, projections, scale and bias replace.
-CLIP_OPTIONS = ("text_model", "image_model", "model", "dropout", "drop_path", "projection_dim",
-                "text_pooling", "image_pooling", "logit_scale_init", "logit_bias_init")  # fmt: skip
-#: What ``--image-model``'s tower replaces: the architecture, and the dropout it has
-#: in its own configuration.
-TOWER_OPTIONS = ("model", "dropout", "drop_path")
 
 
 class PairsMethod(Method):
@@ -208,16 +193,6 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
-    if config.clip_model:
-        for name in CLIP_OPTIONS:
-            if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
-                raise ConfigError(f"{flag(name)} does not apply with --clip-model (its own)")
-    elif config.image_model:
-        for name in TOWER_OPTIONS:
-            if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
-                raise ConfigError(f"{flag(name)} does not apply with --image-model (its own tower)")
-    elif is_set(config, "image_pooling"):
-        raise ConfigError("--image-pooling applies to --image-model")
     if not config.lora_rank:
         for name in LORA_OPTIONS[1:]:
             if is_set(config, name):
@@ -321,7 +296,7 @@ def text_encoder(config, data: PairData, columns):
     """``--text-model``'s encoder and tokenizer, or with ``scratch`` a small BERT and a
     vocabulary of ``columns``' texts; and what was loaded as content digests, for the
     method's ``inputs``."""
-    from models.text import SCRATCH, load_text_encoder, scratch_text_encoder
+    from models.text import SCRATCH, scratch_text_encoder
 
     if config.text_model == SCRATCH:
         texts = training_texts(data, columns)
@@ -329,7 +304,7 @@ def text_encoder(config, data: PairData, columns):
     else:
         if reason := unreachable_reason(config.text_model, "models"):
             raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
-        encoder, tokenizer = load_text_encoder(config.text_model, DTYPES[config.dtype])
+        encoder, tokenizer = TOWER_KINDS["text"].load(config.text_model, DTYPES[config.dtype])
         check_text_model_limits(config, encoder, tokenizer)
     digests = {"text_model": text_model_digests(encoder, tokenizer)}
     return adapted(encoder, config, "text", "--text-model"), tokenizer, digests
