@@ -29,7 +29,9 @@ from accelerate import Accelerator
 from contrastive_accelerate.compat import launcher_gradient_accumulation_steps
 from contrastive_accelerate.config import ConfigError, field_names, flag, is_set, option, validate
 from contrastive_accelerate.data import batches_per_epoch
+from contrastive_accelerate.data.augmentation import ImageOptions
 from contrastive_accelerate.data.mixture import MixtureOptions
+from contrastive_accelerate.data.sources import TableOptions
 from contrastive_accelerate.data.streams import StreamOptions
 from contrastive_accelerate.launch import (
     SUPPORTED_DISTRIBUTED_TYPES,
@@ -60,7 +62,7 @@ MIXTURE_OPTIONS = field_names(MixtureOptions)
 @dataclass
 class TrainConfig(
     StreamOptions, MixtureOptions, LossOptions, TeacherOptions, QueueOptions, DINOOptions,
-    LoRAOptions, PairsOptions, PretrainedTowerOptions, TowerOptions,
+    LoRAOptions, PairsOptions, PretrainedTowerOptions, TowerOptions, ImageOptions, TableOptions,
 ):  # fmt: skip
     """Every option of a run: a ``--flag`` and a config-file key each. ``resume`` says
     whether a resumed run may change it (default "refuse"; ``contrastive_accelerate.config``).
@@ -70,7 +72,8 @@ class TrainConfig(
     ``LossOptions`` in ``methods.loss_table``, ``TeacherOptions`` and ``QueueOptions`` in
     ``methods.momentum``, ``DINOOptions`` in ``methods.dino``, ``PairsOptions`` and
     ``LoRAOptions`` in ``methods.pairs``, ``TowerOptions`` and ``PretrainedTowerOptions``
-    in ``models.towers``)."""
+    in ``models.towers``, ``ImageOptions`` in ``data.augmentation``, ``TableOptions`` in
+    ``data.sources``)."""
 
     # Data
     dataset: str | tuple[str, ...] | None = option(
@@ -80,23 +83,6 @@ class TrainConfig(
     split: str = option("train", "the split to train on")
     image_column: str | None = option(None, "none: the first of image, img, pixel_values")
     label_column: str | None = option(None, "none: the first of label, labels, fine_label")
-    eval_split: str = option(
-        "auto", "evaluation split: auto (test, validation, valid or val) or a name", resume="free"
-    )
-    eval_holdout: float = option(
-        0.2, "share of the training split held out if no evaluation split; 0: none",
-        at_least=0.0, below=1.0,
-    )  # fmt: skip
-    image_size: int | None = option(None, "none: 8 for the digits, else 32", at_least=1)
-    augment: bool = option(True, "SimCLR's random augmentations")
-    crop_min_scale: float | None = option(
-        None, "smallest crop area fraction; none: 0.5 for the 8x8 digits, else 0.2",
-        above=0.0, at_most=1.0,
-    )  # fmt: skip
-    horizontal_flip: bool | None = option(
-        None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
-    )
-    skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
     num_workers: int | None = option(
         None, "loader processes; none: one per spare core, at most 4", resume="free", at_least=0
     )
@@ -125,7 +111,6 @@ class TrainConfig(
         resume="apply", at_least=1,
     )  # fmt: skip
     max_steps: int | None = option(None, "overrides --epochs", resume="apply", at_least=1)
-    drop_last: bool = option(False, "drop each epoch's short last batch")
     optimizer: str | None = option(
         None, "none: sgd; lars for barlowtwins and vicreg, adamw for pairs", choices=OPTIMIZERS
     )
@@ -217,7 +202,7 @@ class TrainConfig(
                 "--streaming and several --dataset train on --dataset for --max-steps steps "
                 "(a stream has no length, a mixture no epochs)"
             )
-        for name in ("unique_texts", "eval_split", "eval_holdout", "drop_last"):
+        for name in ("unique_texts", *field_names(TableOptions)):
             if is_set(self, name):
                 raise ConfigError(f"{flag(name)} does not apply to a stream or a mixture")
         if self.mixed:

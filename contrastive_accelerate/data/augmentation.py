@@ -10,15 +10,34 @@ persistent workers stay correct.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 import torch
 from torchvision.transforms import v2
 
+from contrastive_accelerate.config import option
 from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, read_image, resize_to
 from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
 
 T = TypeVar("T")
+
+
+@dataclass
+class ImageOptions:
+    """What only images read (their size, their views' draws, unreadable ones): a
+    section of ``TrainConfig`` (``contrastive_accelerate.options``)."""
+
+    image_size: int | None = option(None, "none: 8 for the digits, else 32", at_least=1)
+    augment: bool = option(True, "SimCLR's random augmentations")
+    crop_min_scale: float | None = option(
+        None, "smallest crop area fraction; none: 0.5 for the 8x8 digits, else 0.2",
+        above=0.0, at_most=1.0,
+    )  # fmt: skip
+    horizontal_flip: bool | None = option(
+        None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
+    )
+    skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
 
 
 def simclr_augmentation(

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from contrastive_accelerate.config import option
 from contrastive_accelerate.data.formats import TABLE_BUILDERS
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.untrusted import preview, read_json
@@ -22,6 +23,21 @@ IMAGE_COLUMNS = ("image", "img", "pixel_values")
 LABEL_COLUMNS = ("label", "labels", "fine_label")
 EVAL_SPLITS = ("test", "validation", "valid", "val")
 #: Single data files that ``--dataset`` accepts, by suffix, and the ``datasets`` builder for each.
+
+
+@dataclass
+class TableOptions:
+    """What only a table reads (a stream or a mixture has no epochs and no held-out
+    rows): a section of ``TrainConfig`` (``contrastive_accelerate.options``)."""
+
+    eval_split: str = option(
+        "auto", "evaluation split: auto (test, validation, valid or val) or a name", resume="free"
+    )
+    eval_holdout: float = option(
+        0.2, "share of the training split held out if no evaluation split; 0: none",
+        at_least=0.0, below=1.0,
+    )  # fmt: skip
+    drop_last: bool = option(False, "drop each epoch's short last batch")
 
 
 class DataError(ValueError):

@@ -15,6 +15,7 @@ from torch import nn
 
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.config import ConfigError, field_names, flag, is_set, option
+from contrastive_accelerate.data.augmentation import ImageOptions
 from contrastive_accelerate.data.pairs import (
     PairData,
     count_truncated,
@@ -40,7 +41,7 @@ from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
 from models.text import POOLINGS
-from models.towers import TOWER_KINDS, PretrainedTowerOptions
+from models.towers import IMAGE_TOWER_KINDS, TOWER_KINDS, PretrainedTowerOptions, TowerOptions
 
 
 @dataclass
@@ -107,24 +108,15 @@ TEXT_OPTIONS = (*field_names(PairsOptions), *field_names(PretrainedTowerOptions)
 
 #: What text-text pairs never read (no image tower, no labels to probe): set, refused.
 IMAGE_OPTIONS = (
-    "model",
-    "image_size",
-    "augment",
-    "crop_min_scale",
-    "horizontal_flip",
-    "skip_bad_images",
-    "augmentation_seeding",
-    "dropout",
-    "drop_path",
-    "sync_batchnorm",
-    "logit_scale_init",
-    "logit_bias_init",
-    "zero_shot_template",
-    "linear_probe",
-    "clip_model",
-    "image_model",
-    "image_pooling",
-)
+    *field_names(ImageOptions),
+    *(name for name in field_names(TowerOptions) if name not in TEXT_PAIRS.reads),
+    *(name for kind, row in TOWER_KINDS.items() if kind in IMAGE_TOWER_KINDS
+      for name in (row.option, *row.reads) if name not in (None, "model")),
+    *options_of(IMAGE_TEXT_LOSSES),
+    "augmentation_seeding",  # of the images' draws
+    "zero_shot_template",  # class names under images
+    "linear_probe",  # of an image tower
+)  # fmt: skip
 #: What ``--clip-model``'s two towers, projections, scale and bias replace.
 
 
