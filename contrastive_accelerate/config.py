@@ -215,7 +215,8 @@ def parser(cls, description: str) -> argparse.ArgumentParser:
         help="YAML or JSON file of options (keys as below, with - or _); flags override it",
     )
     field_types, several = _field_types(cls), repeated(cls)
-    for field in dataclasses.fields(cls):
+    own = vars(cls).get("__annotations__", {})  # listed first: a dataclass puts its bases' first
+    for field in sorted(dataclasses.fields(cls), key=lambda field: field.name not in own):
         kind, optional = field_types[field.name]
         default = "none" if field.default is None else field.default
         # argparse %-formats help strings

@@ -45,10 +45,7 @@ from contrastive_accelerate.methods import (
     METHODS,
     composition,
 )
-from contrastive_accelerate.methods.dino import DINOOptions
 from contrastive_accelerate.methods.loss_table import LossOptions
-from contrastive_accelerate.methods.momentum import QueueOptions, TeacherOptions
-from contrastive_accelerate.methods.pairs import LoRAOptions, PairsOptions
 from contrastive_accelerate.optim import OPTIMIZERS
 from models.towers import IMAGE_TOWERS, PretrainedTowerOptions, TowerOptions
 
@@ -59,21 +56,26 @@ STREAMING_OPTIONS = tuple(name for name in field_names(StreamOptions) if name !=
 MIXTURE_OPTIONS = field_names(MixtureOptions)
 
 
+#: Every part's section of options, each once: the sources' (``TableOptions`` in
+#: ``data.sources``, ``StreamOptions`` in ``data.streams``, ``MixtureOptions`` in
+#: ``data.mixture``), the images' (``ImageOptions`` in ``data.augmentation``), the
+#: towers' (``TowerOptions``, ``PretrainedTowerOptions`` in ``models.towers``), the
+#: losses' (``LossOptions`` in ``methods.loss_table``) and each method's (its row's
+#: ``sections``, in its module). ``TrainConfig`` holds them all.
+SECTIONS = tuple(dict.fromkeys((
+    TableOptions, StreamOptions, MixtureOptions, ImageOptions, TowerOptions,
+    PretrainedTowerOptions, LossOptions,
+    *(section for row in METHODS.values() for section in row.sections),
+)))  # fmt: skip
+
+
 @dataclass
-class TrainConfig(
-    StreamOptions, MixtureOptions, LossOptions, TeacherOptions, QueueOptions, DINOOptions,
-    LoRAOptions, PairsOptions, PretrainedTowerOptions, TowerOptions, ImageOptions, TableOptions,
-):  # fmt: skip
+class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
     """Every option of a run: a ``--flag`` and a config-file key each. ``resume`` says
     whether a resumed run may change it (default "refuse"; ``contrastive_accelerate.config``).
     Options left at None take the derived defaults of ``resolved()``. The run's own are
-    declared here; each part's in its own module, a section of its own that this class
-    holds (``StreamOptions`` in ``data.streams``, ``MixtureOptions`` in ``data.mixture``,
-    ``LossOptions`` in ``methods.loss_table``, ``TeacherOptions`` and ``QueueOptions`` in
-    ``methods.momentum``, ``DINOOptions`` in ``methods.dino``, ``PairsOptions`` and
-    ``LoRAOptions`` in ``methods.pairs``, ``TowerOptions`` and ``PretrainedTowerOptions``
-    in ``models.towers``, ``ImageOptions`` in ``data.augmentation``, ``TableOptions`` in
-    ``data.sources``)."""
+    declared here; each part's in its own module, a section of ``SECTIONS``, which this
+    class holds."""
 
     # Data
     dataset: str | tuple[str, ...] | None = option(

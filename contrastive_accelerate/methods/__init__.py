@@ -18,8 +18,9 @@ Adding a method, a checklist:
    tuple, ``defaults(config)``, ``check(config)`` and ``check_data(config, data)`` where
    it has any, and its ``MethodRow`` with its ``Family``. Options that no method had
    before are its own section, a dataclass of ``option`` fields in its module (as
-   ``dino.DINOOptions``), which ``TrainConfig`` (``contrastive_accelerate.options``)
-   lists among its bases; the row's ``options`` are the section's ``field_names``.
+   ``dino.DINOOptions``), named in its row's ``sections`` (``TrainConfig`` holds every
+   row's: ``contrastive_accelerate.options.SECTIONS``); the row's ``options`` are the
+   section's ``field_names``.
 2. One row in ``METHODS`` below, and ``python -m contrastive_accelerate.methods`` to
    redraw docs/composition.md.
 3. Its tests, found from the table: ``tests/test_composition.py`` trains every cell of

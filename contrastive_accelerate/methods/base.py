@@ -148,6 +148,9 @@ class MethodRow:
     #: The options only it (and the other methods naming them) reads; set for another
     #: method, they are refused.
     options: tuple[str, ...] = ()
+    #: The sections that declare its own options (dataclasses of ``config.option``
+    #: fields, in its module); ``TrainConfig`` holds every row's.
+    sections: tuple[type, ...] = ()
     #: ``reads(config)``: those of ``options`` that this configuration reads (a loss reads
     #: its own); set but not read, they are refused too. None: all of ``options``.
     reads: Callable[[Any], Collection[str]] | None = None

@@ -25,7 +25,7 @@ from contrastive_accelerate.methods.base import (
     load_teacher,
     teacher_state,
 )
-from contrastive_accelerate.methods.momentum import TEACHER_OPTIONS, TeacherMethod
+from contrastive_accelerate.methods.momentum import TEACHER_OPTIONS, TeacherMethod, TeacherOptions
 from losses import DINOLoss
 from losses.dino import CENTER_FORMULAS, batch_center
 from models import sample_keys, sample_randomness
@@ -251,6 +251,7 @@ DINO = MethodRow(
     DINOMethod,
     image_data,
     options=(*TEACHER_OPTIONS, *DINO_OPTIONS, "temperature"),
+    sections=(TeacherOptions, DINOOptions),
     defaults=defaults,
     check=check,
     families=(Family("--method dino"),),

@@ -202,6 +202,7 @@ MOCO = MethodRow(
     MomentumMethod,
     image_data,
     options=(*TEACHER_OPTIONS, *QUEUE_OPTIONS, "temperature"),
+    sections=(TeacherOptions, QueueOptions),
     defaults=momentum_defaults(0.99, temperature=0.2),  # MoCo v3's
     families=(Family("--method moco"),),
 )
@@ -209,6 +210,7 @@ BYOL = MethodRow(
     MomentumMethod,
     image_data,
     options=TEACHER_OPTIONS,
+    sections=(TeacherOptions,),
     defaults=momentum_defaults(0.996),
     families=(Family("--method byol"),),
 )

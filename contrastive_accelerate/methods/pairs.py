@@ -276,6 +276,7 @@ PAIRS = MethodRow(
     build,
     pair_data,
     options=("loss", *TEXT_OPTIONS, *SCALE_OPTIONS),
+    sections=(PairsOptions, LoRAOptions),
     reads=reads,
     defaults=defaults,
     check=check,

@@ -34,7 +34,7 @@ from contrastive_accelerate.methods.base import (
     view_halves,
 )
 from contrastive_accelerate.methods.loss_table import LOSSES, LossRow, options_of, tiled
-from contrastive_accelerate.methods.momentum import QUEUE_OPTIONS
+from contrastive_accelerate.methods.momentum import QUEUE_OPTIONS, QueueOptions
 from losses import MoCoLoss
 from models import SimCLR
 from models.momentum import KeyQueue
@@ -165,6 +165,7 @@ SIMCLR = MethodRow(
     SimCLRMethod,
     image_data,
     options=("loss", *QUEUE_OPTIONS, *SIMCLR_LOSS_OPTIONS),
+    sections=(QueueOptions,),
     reads=reads,
     defaults=defaults,
     check=check,
