@@ -1,9 +1,13 @@
 """Each row of the image towers table (``models.towers.IMAGE_TOWERS``) is what it says:
 built at the sizes the methods use, its width, its BatchNorm, the options it reads
 (dropout layers, stochastic depth, checkpointable blocks) and the input sizes it takes.
-A new row is tested here by being in the table."""
+Each kind of tower (``TOWER_KINDS``) names options that exist and a loader that does,
+and its refusals are its row's. A new row is tested here by being in the table."""
 
 from __future__ import annotations
+
+import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -11,8 +15,11 @@ from torch import nn
 from torchvision.ops import StochasticDepth
 
 from contrastive_accelerate.compat import BatchNormBase
+from contrastive_accelerate.config import ConfigError, parse_args
+from contrastive_accelerate.methods import composition
+from contrastive_accelerate.options import TrainConfig
 from models.checkpointing import checkpoint_image_encoder
-from models.towers import IMAGE_TOWERS, TOWER_OPTIONS
+from models.towers import IMAGE_TOWER_KINDS, IMAGE_TOWERS, TOWER_KINDS, TOWER_OPTIONS
 
 ROWS = list(IMAGE_TOWERS)
 
@@ -55,3 +62,27 @@ def test_a_tower_takes_other_input_sizes_where_its_row_says(name):
     else:
         with pytest.raises(RuntimeError):
             encoder(torch.randn(2, 3, other, other))
+
+
+@pytest.mark.parametrize("kind", list(TOWER_KINDS))
+def test_a_kind_of_tower_names_options_that_exist_and_a_loader_that_does(kind):
+    row = TOWER_KINDS[kind]
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    assert {row.option, *row.reads, *row.replaces} - {None} <= fields
+    if row.loader is not None:
+        module, name = row.loader.split(":")
+        assert callable(getattr(importlib.import_module(module), name))
+    assert (kind in composition.TOWERS) == ("images" in row.embeds)
+    assert (kind in IMAGE_TOWER_KINDS) == (kind in composition.TOWERS)
+
+
+def test_what_a_checkpoint_holds_is_refused_by_its_row_and_the_control(monkeypatch):
+    """``--text-model`` beside ``--clip-model`` is refused because the clip row says its
+    checkpoint holds its text tower; a row that does not say so lets it through."""
+    flags = ["--columns", "image,caption", "--clip-model", "clip", "--text-model", "bert"]
+    with pytest.raises(ConfigError, match="--text-model does not apply with --clip-model"):
+        parse_args(TrainConfig, flags)
+    row = TOWER_KINDS["clip"]
+    kept = tuple(name for name in row.replaces if name != "text_model")
+    monkeypatch.setitem(TOWER_KINDS, "clip", dataclasses.replace(row, replaces=kept))
+    assert parse_args(TrainConfig, flags).text_model == "bert"
