@@ -491,6 +491,30 @@ def make_digit_tar_shards(root: Path, sizes: list[int], *, start: int = 0) -> Pa
     return root
 
 
+def make_digit_parquet(path: Path, count: int, *, start: int = 0) -> Path:
+    """A parquet file of ``count`` of scikit-learn's 8x8 digits from row ``start`` on:
+    an ``image`` column of ``{"bytes", "path"}`` records (PNG bytes, as ``datasets``
+    stores images in parquet) and a ``label`` column."""
+    import io
+
+    import pyarrow as arrow
+    import pyarrow.parquet as parquet
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (digits.images * (255 / 16)).astype(np.uint8)
+    rows = []
+    for row in range(start, start + count):
+        png = io.BytesIO()
+        Image.fromarray(images[row]).save(png, format="PNG")
+        rows.append({"image": {"bytes": png.getvalue(), "path": f"{row:06d}.png"},
+                     "label": int(digits.target[row])})  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parquet.write_table(arrow.Table.from_pylist(rows), path)
+    return path
+
+
 def make_text_model(
     root: Path, *, dropout: float = 0.1, pad_token: bool = True, vocab_size: int | None = None
 ) -> Path:

@@ -37,6 +37,7 @@ from launch import (
     REPO,
     TrainerRuns,
     final_files_difference,
+    make_digit_parquet,
     make_digit_tar_shards,
     make_sentence_pairs,
     make_text_pair_shards,
@@ -82,6 +83,7 @@ def data(tmp_path_factory, image_folder, sentence_pairs, captioned_images, tiny_
         "more pairs": str(make_sentence_pairs(root / "more.jsonl", 11, seed=6)),
         "text shards": str(make_text_pair_shards(root / "text", [7, 11, 5])),
         "image shards": str(make_digit_tar_shards(root / "tar", [7, 11, 5])),
+        "image parquet": str(make_digit_parquet(root / "digits.parquet", 13, start=40)),
     }  # fmt: skip
 
 
@@ -93,6 +95,10 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
     kind = "pairs" if text_pairs else "image-text" if image_text else "images"
     if cell.source == "table":
         source = ["--dataset", tables[kind]]
+    elif cell.source == "mixture" and kind == "images":  # a table of image bytes and a stream
+        source = ["--streaming", "--dataset", data["image parquet"], "--dataset",
+                  data["image shards"], "--shuffle-buffer", "4",
+                  "--mixture-weights", "1,2"]  # fmt: skip
     elif cell.source == "mixture":
         second = data["more pairs"] if text_pairs else tables[kind]
         source = ["--dataset", tables[kind], "--dataset", second]
@@ -184,6 +190,33 @@ def test_control_per_process_dropout_masks_break_it(runs, data, method):
     error = final_files_difference(runs(1, *flags), runs(2, *flags, *CONTROL))
     print(f"{method}, per-process dropout masks, 1 vs 2 processes: {error:.1e}")
     assert error > 1e3 * EXACT
+
+
+def test_control_per_rank_shards_break_an_image_methods_stream(runs, data):
+    """webdataset's split_by_node (``--stream-split per-rank``): each rank reads its own
+    shards, so 2 processes see other global batches than 1 and train another model."""
+    cell = next(c for c in TRAINED if c.method == "simclr" and c.source == "stream")
+    flags = command(cell, data)
+    error = final_files_difference(runs(1, *flags), runs(2, *flags, "--stream-split", "per-rank"))
+    print(f"simclr on a stream, --stream-split per-rank, 1 vs 2 processes: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+@pytest.mark.parametrize("method", ["simclr", "dino"])
+def test_a_mid_stream_checkpoint_of_two_processes_resumes_on_three(runs, data, method, tmp_path):
+    """The stream's position is the step: a checkpoint of 2 processes mid-stream, continued
+    on 3, gives the straight run's model."""
+    cell = next(c for c in TRAINED if c.method == method and c.source == "stream")
+    flags = command(cell, data)
+    straight = runs(2, *flags)
+    resumed: Path = tmp_path / "resumed"
+    train_pooled(
+        3, *COMMON, *flags, "--output-dir", str(resumed),
+        "--resume-from", str(straight / "checkpoint-2"),
+    )  # fmt: skip
+    error = final_files_difference(straight, resumed)
+    print(f"{method} on a stream, resumed mid-stream from 2 processes on 3: {error:.1e}")
+    assert error <= EXACT
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -116,7 +116,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         left = {name for name, value in resolved.items() if value is None} - meaning_none
         # No teacher, no DINO head, no crops.
         expected = {"teacher_momentum", "teacher_temperature", "dino_out_dim"}
-        expected |= {"local_crops", "local_crop_size"}
+        expected |= {"local_crops", "local_crop_size", "freeze_last_layer"}
         # What the loss does not read stays unset: a value there would be refused.
         expected |= {"temperature"} if loss in ("infonce", "siglip", "vicreg") else set()
         expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
@@ -427,7 +427,9 @@ def test_a_dataset_given_several_times_is_a_mixture_of_them(tmp_path):
         "applies to several --dataset": ["--dataset", "one", "--mixture", "round-robin"],
         "applies to --mixture proportional": [*MIXED, "--mixture", "round-robin",
                                               "--mixture-weights", "1,2"],
-        "--method simclr trains on a table, not on a mixture": MIXED[:4],
+        "--freeze-last-layer counts epochs, which a stream or a mixture has not": [
+            "--dataset", "a", "--dataset", "b", "--max-steps", "2", "--method", "dino",
+            "--freeze-last-layer", "1"],
     }  # fmt: skip
     for message, argv in refused.items():
         with pytest.raises(ConfigError, match=message):

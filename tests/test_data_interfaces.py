@@ -61,7 +61,10 @@ def options(method: str, family: str, source: str, data: dict[str, str]) -> dict
         return {"columns": "image,caption", "dataset": data["captioned"],
                 "text_model": "scratch", **IMAGES}  # fmt: skip
     assert family == f"--method {method}", f"no configuration for {family}"
-    return {"method": method, "dataset": data["images"], **IMAGES}
+    dataset = {"table": {"dataset": data["images"]},
+               "stream": {"dataset": data["image shards"], **streamed},
+               "mixture": {"dataset": (data["images"],) * 2, "max_steps": 2}}  # fmt: skip
+    return {"method": method, **dataset[source], **IMAGES}
 
 
 def test_every_family_has_a_configuration(data):

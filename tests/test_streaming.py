@@ -298,11 +298,11 @@ def write_bad_shards(root: Path, case: str) -> Path:
     if case == "garbage-tar":  # no tar at all: named as such, not "after None"
         path.write_bytes(bytes(range(256)) * 40)
         return root
-    with tarfile.open(path, "a") as archive:  # an image whose caption is missing
-        member = tarfile.TarInfo("999999.png")
-        png = io.BytesIO(b"\x89PNG not really")
-        member.size = len(png.getvalue())
-        archive.addfile(member, png)
+    with tarfile.open(path, "a") as archive:  # an image whose caption is missing, or the reverse
+        member = tarfile.TarInfo("999999.txt" if case == "caption-without-image" else "999999.png")
+        data = b"a caption" if case == "caption-without-image" else b"\x89PNG not really"
+        member.size = len(data)
+        archive.addfile(member, io.BytesIO(data))
     return root
 
 
@@ -322,6 +322,7 @@ BAD_ROWS = {
         IMAGE_TEXT[:2],
     ),
     "member-without-pair": ("shard-00001.tar, 999999: no column 'txt'", IMAGE_TEXT[:2]),
+    "caption-without-image": ("shard-00001.tar, 999999: no column 'png'", ["--method", "simclr"]),
 }
 
 
@@ -330,11 +331,12 @@ BAD_ROWS = {
 def test_a_bad_row_is_one_line_on_every_rank_or_skipped_and_said(case, processes, tmp_path):
     expected, columns = BAD_ROWS[case]
     root = write_bad_shards(tmp_path / "shards", case)
-    flags = ["--streaming", "--dataset", str(root), "--text-model", "scratch", *columns,
-             "--batch-size", "6", "--max-steps", "4", "--num-workers", "0",
-             "--max-length", "6", "--log-every", "1"]  # fmt: skip
-    if columns == IMAGE_TEXT[:2]:
-        flags += ["--model", "mlp"]
+    flags = ["--streaming", "--dataset", str(root), *columns, "--batch-size", "6",
+             "--max-steps", "4", "--num-workers", "0", "--log-every", "1"]  # fmt: skip
+    if columns[0] == "--columns":
+        flags += ["--text-model", "scratch", "--max-length", "6"]
+    if columns[0] != "--columns" or columns == IMAGE_TEXT[:2]:  # an image tower: the mlp
+        flags += ["--model", "mlp", "--image-size", "8"]
     result = train_pooled(processes, *flags, "--output-dir", str(tmp_path / "run"), check=False)
     print(one_line_errors(result, expected, processes)[0])
     skipped = train_pooled(processes, *flags, "--skip-bad-rows", "--output-dir",

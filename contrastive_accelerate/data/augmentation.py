@@ -114,6 +114,14 @@ def view_augmentation(
     return simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
 
 
+def missing_image(row: dict, image_column: str) -> str | None:
+    """Why a stream's ``row`` holds no sample of images (a ``BadRow``), naming where it
+    came from; None if it holds one."""
+    if image_column not in row:
+        return f"{row.get('__source__', 'a row')}: no column {image_column!r}"
+    return None
+
+
 class TwoViews(torch.utils.data.Dataset):
     """Two augmented views of one image; items are ``(epoch, index)`` pairs.
 
@@ -146,11 +154,19 @@ class TwoViews(torch.utils.data.Dataset):
     ) -> tuple[torch.Tensor, torch.Tensor, int] | UnreadableImage:
         """Two views of sample ``index`` (or the unreadable image: see ``SampleImages``)."""
         epoch, index = item
+        return self.item(self.dataset[index], epoch, index)
+
+    def problem(self, row: dict) -> str | None:
+        """Why a stream's ``row`` cannot be a sample: no image column."""
+        return missing_image(row, self.image_column)
+
+    def item(self, row: dict, epoch: int, index: int):
+        """Sample ``(epoch, index)``'s two views from its ``row``: of a table or a stream."""
 
         def draw(image):
             return NORMALIZE(self.augment(image)), NORMALIZE(self.augment(image)), index
 
-        return self.images(self.dataset[index][self.image_column], epoch, index, draw)
+        return self.images(row[self.image_column], epoch, index, draw)
 
     def collate(self, items: list) -> TwoViewBatch:
         """Stack the readable items' views and dataset indices; an empty share (short last
@@ -229,7 +245,15 @@ class MultiCrop(torch.utils.data.Dataset):
 
     def __getitem__(self, item: tuple[int, int]):
         epoch, index = item
-        source = self.dataset[index][self.image_column]
+        return self.item(self.dataset[index], epoch, index)
+
+    def problem(self, row: dict) -> str | None:
+        """Why a stream's ``row`` cannot be a sample: no image column."""
+        return missing_image(row, self.image_column)
+
+    def item(self, row: dict, epoch: int, index: int):
+        """Sample ``(epoch, index)``'s crops from its ``row``: of a table or a stream."""
+        source = row[self.image_column]
         return self.images(source, epoch, index, lambda image: (*self._crops(image), index))
 
     def collate(self, items: list) -> MultiCropBatch:

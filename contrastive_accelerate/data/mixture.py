@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -87,6 +88,14 @@ class Mixture:
         counts = collections.Counter(self.source_of(step, seed) for step in range(first, steps))
         return [counts[source] + (counted[source] if counted else 0)
                 for source in range(len(self.datasets))]  # fmt: skip
+
+
+def source_labels(names: Sequence[str]) -> list[str]:
+    """Each source's name as the logs count its steps: its folder's or file's name, made
+    unique with ``#`` and its place."""
+    labels = [os.path.basename(os.path.normpath(name)) or name for name in names]
+    return [label if labels.count(label) == 1 else f"{label}#{number}"
+            for number, label in enumerate(labels)]  # fmt: skip
 
 
 def mixture_weights(

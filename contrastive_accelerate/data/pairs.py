@@ -24,6 +24,8 @@ from contrastive_accelerate.data.sources import (
     DataError,
     ImageData,
     evaluation_split,
+    is_image,
+    is_table,
     load_image_dataset,
     load_splits,
 )
@@ -139,7 +141,7 @@ def load_streamed_pairs(
     if missing:
         found = ", ".join(name for name in row if not name.startswith("__"))
         raise DataError(f"{row['__source__']}: no column {missing[0]!r} (columns: {found})")
-    images = [column for column in columns if _is_image(row[column])]
+    images = [column for column in columns if is_image(row[column])]
     for column in columns:
         if column not in images and (problem := row_problem(row, [column])):
             raise DataError(problem)
@@ -191,38 +193,22 @@ def load_mixture(
     directory), else a table; all text pairs. ``mixture`` "round-robin" or
     "proportional" to ``weights`` or to the tables' rows (``mixture_weights``). A
     source of images is refused with ``images_refused``, the reason."""
-    from contrastive_accelerate.data.mixture import mixture_weights
+    from contrastive_accelerate.data.mixture import mixture_weights, source_labels
 
     sources = []
     for name, source_columns in zip(names, columns, strict=True):
-        if streaming and not _is_table(name):
+        if streaming and not is_table(name):
             data = load_streamed_pairs(name, source_columns, streams, shuffle_buffer)
         else:
             data = load_pair_dataset(name, source_columns, evaluate=False)
         if data.image_column is not None:
             raise DataError(f"{images_refused}: --dataset {name!r} has images")
         sources.append(data)
-    labels = [os.path.basename(os.path.normpath(name)) or name for name in names]
-    labels = [label if labels.count(label) == 1 else f"{label}#{number}"
-              for number, label in enumerate(labels)]  # fmt: skip
+    labels = source_labels(names)
     if mixture == "round-robin":
         return MixedPairs(sources, labels, None)
     sizes = [None if data.streamed else len(data.train) for data in sources]
     return MixedPairs(sources, labels, mixture_weights(sizes, weights, temperature))
-
-
-def _is_table(name: str) -> bool:
-    """A data file or a ``save_to_disk`` directory: rows with a length."""
-    marks = ("dataset_dict.json", "state.json")
-    return os.path.isfile(name) or any(os.path.exists(os.path.join(name, m)) for m in marks)
-
-
-def _is_image(value) -> bool:
-    from PIL import Image
-
-    return isinstance(value, Image.Image) or (
-        isinstance(value, dict) and isinstance(value.get("bytes"), bytes)
-    )
 
 
 def row_problem(

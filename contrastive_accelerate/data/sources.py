@@ -294,3 +294,19 @@ def label_ids(dataset, label_column: str) -> torch.Tensor:
         return torch.tensor(labels, dtype=torch.long)
     classes = {label: i for i, label in enumerate(sorted(set(map(str, labels))))}
     return torch.tensor([classes[str(label)] for label in labels], dtype=torch.long)
+
+
+def is_table(name: str) -> bool:
+    """A data file or a ``save_to_disk`` directory: rows with a length."""
+    marks = ("dataset_dict.json", "state.json")
+    return os.path.isfile(name) or any(os.path.exists(os.path.join(name, m)) for m in marks)
+
+
+def is_image(value) -> bool:
+    """An image as a row holds one: a PIL image or a ``{"bytes", "path"}`` record (a
+    webdataset tar's image member, a parquet of image bytes)."""
+    from PIL import Image
+
+    return isinstance(value, Image.Image) or (
+        isinstance(value, dict) and isinstance(value.get("bytes"), bytes)
+    )

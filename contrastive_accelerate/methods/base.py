@@ -14,6 +14,12 @@ from contrastive_accelerate import collectives
 from contrastive_accelerate.checkpoint_shards import load_local_state, stored_under
 from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.data import TwoViewBatch, TwoViews
+from contrastive_accelerate.data.images import (
+    MixedImages,
+    load_image_mixture,
+    load_streamed_images,
+    per_source,
+)
 from contrastive_accelerate.data.interfaces import StreamDataset, TableDataset
 from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.sources import ImageData, load_image_dataset
@@ -118,6 +124,10 @@ class Method:
         load_queue(None, state)
 
 
+#: Every kind of source: a table, streamed shards, a mixture (``composition.SOURCES``).
+EVERY_SOURCE = ("table", "stream", "mixture")
+
+
 @dataclass(frozen=True)
 class Family:
     """What one kind of run of a method trains on (``methods.composition`` reads it):
@@ -193,8 +203,23 @@ def augmentation_options(config) -> dict[str, Any]:
     }
 
 
-def image_data(config) -> ImageData:
-    """The images of ``--dataset`` (``load_image_dataset``), with the evaluation split."""
+def image_data(config) -> ImageData | MixedImages:
+    """The images of ``--dataset``: a table with its evaluation split
+    (``load_image_dataset``), streamed shards or a mixture (``data.images``)."""
+    if config.mixed:
+        weights = config.mixture_weights
+        return load_image_mixture(
+            config.dataset, image_column=config.image_column, streaming=config.streaming,
+            streams=config.streams, shuffle_buffer=config.shuffle_buffer, mixture=config.mixture,
+            weights=[float(w) for w in weights.split(",")] if weights else None,
+            temperature=config.mixture_temperature,
+        )  # fmt: skip
+    if config.streaming:
+        return load_streamed_images(
+            config.dataset, image_column=config.image_column, streams=config.streams,
+            shuffle_buffer=config.shuffle_buffer, config_name=config.dataset_config,
+            split=config.split,
+        )  # fmt: skip
     return load_image_dataset(config.dataset, **dataset_options(config))
 
 
@@ -245,16 +270,13 @@ def image_model(
     return model
 
 
-def two_views_dataset(config, data: ImageData) -> TwoViews:
-    """Two augmented views of each image, drawn from (seed, epoch, index, view)."""
-    return TwoViews(
-        data.train,
-        data.image_column,
-        config.image_size,
-        config.seed,
-        config.augment,
+def two_views_dataset(config, data: ImageData | MixedImages) -> TwoViews | Mixture:
+    """Two augmented views of each image, drawn from (seed, epoch, index, view); of each
+    source, for a mixture."""
+    return per_source(data, lambda rows, image_column: TwoViews(
+        rows, image_column, config.image_size, config.seed, config.augment,
         **augmentation_options(config),
-    )
+    ))  # fmt: skip
 
 
 def embed_two_views(

@@ -12,9 +12,11 @@ from torch import nn
 
 from contrastive_accelerate.config import ConfigError, field_names, option
 from contrastive_accelerate.data import MultiCrop, MultiCropBatch
+from contrastive_accelerate.data.images import per_source
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
+    EVERY_SOURCE,
     SIMCLR_HEAD,
     Family,
     MethodRow,
@@ -52,9 +54,10 @@ class DINOOptions:
     teacher_temperature_warmup_steps: int = option(
         0, "dino: steps of the teacher temperature's warm-up from 0.04", resume="apply", at_least=0
     )
-    freeze_last_layer: int = option(
-        1, "dino: epochs the head's last layer stays frozen (DINO's)", resume="apply", at_least=0
-    )
+    freeze_last_layer: int | None = option(
+        None, "dino: epochs the head's last layer stays frozen; none: 1 (DINO's), 0 on a stream",
+        resume="apply", at_least=0,
+    )  # fmt: skip
     global_crops: int = option(2, "dino: global crops per sample", at_least=1)
     local_crops: int | None = option(
         None, "dino: local crops per sample; none: 6, or 0 for the mlp", at_least=0
@@ -100,16 +103,10 @@ class DINOMethod(TeacherMethod):
         self.warmup_steps = config.teacher_temperature_warmup_steps
         self.center_formula = config.dino_center
         self.freeze_last_layer = config.freeze_last_layer
-        self.dataset = MultiCrop(
-            data.train,
-            data.image_column,
-            config.image_size,
-            config.seed,
-            config.global_crops,
-            config.local_crops,
-            config.local_crop_size,
-            **augmentation_options(config),
-        )
+        self.dataset = per_source(data, lambda rows, image_column: MultiCrop(
+            rows, image_column, config.image_size, config.seed, config.global_crops,
+            config.local_crops, config.local_crop_size, **augmentation_options(config),
+        ))  # fmt: skip
         _, hidden, bottleneck = SIMCLR_HEAD
         self.model = image_model(
             config, world_size, say, DINOModel, projection_hidden_dim=hidden,
@@ -219,11 +216,18 @@ def defaults(config) -> dict[str, Any]:
         "dino_out_dim": 256 if digits else 1024,
         "local_crops": 0 if not IMAGE_TOWERS[config.model].any_input_size or digits else 6,
         "local_crop_size": max(1, config.image_size // 2),
+        # A stream or a mixture has no epochs: its one pass would freeze the whole run.
+        "freeze_last_layer": 0 if config.streaming or config.mixed else 1,
         **({"epochs": 90} if digits else {}),
     }
 
 
 def check(config) -> None:
+    if config.freeze_last_layer and (config.streaming or config.mixed):
+        raise ConfigError(
+            "--freeze-last-layer counts epochs, which a stream or a mixture has not: the "
+            "last layer would stay frozen for the whole run"
+        )
     tower = IMAGE_TOWERS[config.model]
     if config.local_crops and not tower.any_input_size:
         raise ConfigError(
@@ -254,5 +258,5 @@ DINO = MethodRow(
     sections=(TeacherOptions, DINOOptions),
     defaults=defaults,
     check=check,
-    families=(Family("--method dino"),),
+    families=(Family("--method dino", sources=EVERY_SOURCE),),
 )

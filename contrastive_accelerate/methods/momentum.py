@@ -15,6 +15,7 @@ from contrastive_accelerate.config import field_names, option
 from contrastive_accelerate.data import TwoViewBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.methods.base import (
+    EVERY_SOURCE,
     SIMCLR_HEAD,
     Family,
     Method,
@@ -204,7 +205,7 @@ MOCO = MethodRow(
     options=(*TEACHER_OPTIONS, *QUEUE_OPTIONS, "temperature"),
     sections=(TeacherOptions, QueueOptions),
     defaults=momentum_defaults(0.99, temperature=0.2),  # MoCo v3's
-    families=(Family("--method moco"),),
+    families=(Family("--method moco", sources=EVERY_SOURCE),),
 )
 BYOL = MethodRow(
     MomentumMethod,
@@ -212,5 +213,5 @@ BYOL = MethodRow(
     options=TEACHER_OPTIONS,
     sections=(TeacherOptions,),
     defaults=momentum_defaults(0.996),
-    families=(Family("--method byol"),),
+    families=(Family("--method byol", sources=EVERY_SOURCE),),
 )

@@ -20,6 +20,7 @@ from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     DTYPES,
+    EVERY_SOURCE,
     Family,
     Method,
     MethodRow,
@@ -39,10 +40,11 @@ from losses import MoCoLoss
 from models import SimCLR
 from models.momentum import KeyQueue
 
-#: SimCLR's family: two views on tables, from scratch, and the losses it takes (the
+#: SimCLR's family: two views on any source, from scratch, and the losses it takes (the
 #: first its default).
 SIMCLR_FAMILY = Family(
     "--method simclr",
+    sources=EVERY_SOURCE,
     losses=("ntxent", "dcl", "dclw", "supcon", "infonce", "siglip", "barlowtwins", "vicreg"),
 )
 #: The rows of its losses.
@@ -154,6 +156,10 @@ def check(config) -> None:
 
 
 def check_data(config, data: ImageData) -> None:
+    if LOSSES[config.loss].labels and (config.streaming or config.mixed):
+        raise TrainerError(
+            f"--loss {config.loss} needs labels, which a stream or a mixture does not read yet"
+        )
     if LOSSES[config.loss].labels and data.label_column is None:
         raise TrainerError(
             f"--loss {config.loss} needs labels, and the dataset has no label column "
