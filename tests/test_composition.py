@@ -95,10 +95,10 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
     kind = "pairs" if text_pairs else "image-text" if image_text else "images"
     if cell.source == "table":
         source = ["--dataset", tables[kind]]
-    elif cell.source == "mixture" and kind == "images":  # a table of image bytes and a stream
-        source = ["--streaming", "--dataset", data["image parquet"], "--dataset",
-                  data["image shards"], "--shuffle-buffer", "4",
-                  "--mixture-weights", "1,2"]  # fmt: skip
+    elif cell.source == "mixture" and kind != "pairs":  # a table and a stream of images
+        first = data["image parquet"] if kind == "images" else tables[kind]
+        source = ["--streaming", "--dataset", first, "--dataset", data["image shards"],
+                  "--shuffle-buffer", "4", "--mixture-weights", "1,2"]  # fmt: skip
     elif cell.source == "mixture":
         second = data["more pairs"] if text_pairs else tables[kind]
         source = ["--dataset", tables[kind], "--dataset", second]
@@ -115,6 +115,8 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
     columns = []
     if image_text:
         columns = ["--columns", "png,txt" if cell.source == "stream" else "image,caption"]
+    if image_text and cell.source == "mixture":  # each source its own columns
+        columns += ["--columns", "png,txt"]
     return (*FAMILY_FLAGS[family], *source, *tower, *columns)
 
 

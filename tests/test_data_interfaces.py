@@ -20,7 +20,7 @@ from contrastive_accelerate.data import DataError, GlobalBatchSampler, load_imag
 from contrastive_accelerate.data.formats import FORMATS, TABLE_BUILDERS
 from contrastive_accelerate.data.interfaces import Batch, BatchPlan, StreamDataset, TableDataset
 from contrastive_accelerate.data.mixture import Mixture, MixtureBatches
-from contrastive_accelerate.data.streams import find_shards, stream_batches
+from contrastive_accelerate.data.streams import ShardStreams, find_shards, stream_batches
 from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
@@ -55,6 +55,10 @@ def options(method: str, family: str, source: str, data: dict[str, str]) -> dict
         return {"columns": "anchor,positive,negative_1", "text_model": data["bert"],
                 "max_length": 8, "knn_k": 0, "dataset": dataset[source], **extra}  # fmt: skip
     if family == "--method pairs (image-text)":
+        if source == "mixture":  # a table and a stream, each its own columns
+            return {"columns": ("image,caption", "png,txt"), "text_model": "scratch",
+                    "dataset": (data["captioned"], data["image shards"]),
+                    "mixture_weights": "1,1", **IMAGES, **streamed}  # fmt: skip
         if source == "stream":
             return {"columns": "png,txt", "dataset": data["image shards"], "text_model": "scratch",
                     **IMAGES, **streamed}  # fmt: skip
@@ -83,7 +87,7 @@ def test_a_methods_dataset_and_batches_keep_the_interfaces(data, case):
     datasets = built.dataset.datasets if isinstance(built.dataset, Mixture) else [built.dataset]
     assert (source == "mixture") == isinstance(built.dataset, Mixture)
     for dataset in datasets:
-        if source == "stream":
+        if isinstance(dataset.dataset, ShardStreams):  # a stream, or a mixture's
             assert isinstance(dataset, StreamDataset)
             plan = stream_batches(dataset, 4, 0)
             batch = next(iter(torch.utils.data.DataLoader(plan, batch_size=None,

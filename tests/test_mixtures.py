@@ -16,6 +16,8 @@ import torch
 
 from contrastive_accelerate.data.loader import as_built
 from contrastive_accelerate.data.mixture import Mixture, MixtureBatches
+from contrastive_accelerate.data.pairs import load_mixture
+from contrastive_accelerate.data.sources import DataError
 from contrastive_accelerate.data.streams import find_shards
 
 from launch import (
@@ -216,3 +218,14 @@ def test_an_empty_source_is_named_on_every_rank(sources, tmp_path, contents):
                           "--text-model", "scratch", *COMMON, "--output-dir",
                           str(tmp_path / "run"), check=False)  # fmt: skip
     one_line_errors(result, f"dataset file {str(empty)!r} is empty", 2)
+
+
+def test_a_mixture_of_text_pairs_and_image_text_is_refused(sentence_pairs, captioned_images):
+    """Every source of a mixture is of one kind: the loss and the towers are one."""
+    with pytest.raises(DataError, match="a mixture is all text pairs or all image-text: "
+                                        f"--dataset '{captioned_images}' has images"):  # fmt: skip
+        load_mixture(
+            (sentence_pairs, captioned_images), [("anchor", "positive"), ("image", "caption")],
+            streaming=False, streams=None, shuffle_buffer=4, mixture="round-robin",
+            weights=None, temperature=1.0,
+        )  # fmt: skip

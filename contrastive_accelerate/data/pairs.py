@@ -164,7 +164,6 @@ class MixedPairs:
     sources: list[PairData]
     names: list[str]
     weights: list[float] | None
-    image_column = None
     label_column = None
     evaluation = None
     evaluation_source: str = "retrieval evaluation: off (a mixture has no held-out rows)"
@@ -179,6 +178,17 @@ class MixedPairs:
         return tuple(dict.fromkeys(c for source in self.sources for c in source.columns))
 
     @property
+    def image_column(self) -> str | None:
+        """The first source's image column (image-text; each source reads its own), or
+        None (text pairs): every source is of one kind (``load_mixture``)."""
+        return self.sources[0].image_column
+
+    @property
+    def text_columns(self) -> tuple[str, ...]:
+        """Every source's text columns, in order."""
+        return tuple(dict.fromkeys(c for source in self.sources for c in source.text_columns))
+
+    @property
     def streamed(self) -> bool:
         return any(source.streamed for source in self.sources)
 
@@ -186,13 +196,12 @@ class MixedPairs:
 def load_mixture(
     names: tuple[str, ...], columns: list[tuple[str, ...]], *, streaming: bool,
     streams: int | None, shuffle_buffer: int, mixture: str, weights: list[float] | None,
-    temperature: float, images_refused: str,
+    temperature: float,
 ) -> MixedPairs:  # fmt: skip
     """Each of ``names`` with its ``columns``: with ``streaming`` a stream
     (``load_streamed_pairs``) unless it is a table (a data file or a ``save_to_disk``
-    directory), else a table; all text pairs. ``mixture`` "round-robin" or
-    "proportional" to ``weights`` or to the tables' rows (``mixture_weights``). A
-    source of images is refused with ``images_refused``, the reason."""
+    directory), else a table; all text pairs or all image-text. ``mixture`` "round-robin"
+    or "proportional" to ``weights`` or to the tables' rows (``mixture_weights``)."""
     from contrastive_accelerate.data.mixture import mixture_weights, source_labels
 
     sources = []
@@ -201,9 +210,14 @@ def load_mixture(
             data = load_streamed_pairs(name, source_columns, streams, shuffle_buffer)
         else:
             data = load_pair_dataset(name, source_columns, evaluate=False)
-        if data.image_column is not None:
-            raise DataError(f"{images_refused}: --dataset {name!r} has images")
         sources.append(data)
+    with_images = [name for name, data in zip(names, sources, strict=True) if data.image_column]
+    if with_images and len(with_images) < len(names):
+        without = next(name for name in names if name not in with_images)
+        raise DataError(
+            f"a mixture is all text pairs or all image-text: --dataset {with_images[0]!r} has "
+            f"images, {without!r} none"
+        )
     labels = source_labels(names)
     if mixture == "round-robin":
         return MixedPairs(sources, labels, None)
@@ -236,7 +250,8 @@ def training_texts(data: PairData, columns: Sequence[str]) -> list[str]:
     stream, those of its first shard: what start-up can read (a scratch tower's
     vocabulary, the truncation notice)."""
     if isinstance(data, MixedPairs):
-        return [text for source in data.sources for text in training_texts(source, source.columns)]
+        return [text for source in data.sources
+                for text in training_texts(source, source.text_columns)]  # fmt: skip
     if data.streamed:
         rows = data.train.first_rows()
         values = [

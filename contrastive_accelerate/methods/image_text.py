@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from contrastive_accelerate.data import evaluation_images
-from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, PairData
+from contrastive_accelerate.data.mixture import Mixture
+from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, MixedPairs, PairData
 from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.knn import KnnData, zero_shot_top1
@@ -70,39 +71,41 @@ class ImageTextMethod(PairsMethod):
         device: torch.device | str = "cpu",
     ):
         self.seed, self.unique_texts = config.seed, config.unique_texts
-        (caption_column,) = data.text_columns
         if config.clip_model:
             self.model, image_size, self.inputs = dual_encoder(config, world_size, say)
             self.tokenizer = self.model.tokenizer
             self.loss_name = clip_loss(config, self.model)
         else:
             self.loss_name = config.loss or "infonce"
-            self.model, image_size = self._towers(config, data, caption_column, world_size, say)
-        say_truncated(data, [caption_column], self.tokenizer, config.max_length, say)
-        self.dataset = ImageCaptions(
-            data.train,
-            data.image_column,
-            caption_column,
-            self.tokenizer,
-            config.max_length,
-            image_size,
-            config.seed,
-            config.augment,
-            **augmentation_options(config),
-        )
+            self.model, image_size = self._towers(config, data, world_size, say)
+        say_truncated(data, data.text_columns, self.tokenizer, config.max_length, say)
+
+        def captions(source: PairData) -> ImageCaptions:
+            (caption_column,) = source.text_columns
+            return ImageCaptions(
+                source.train, source.image_column, caption_column, self.tokenizer,
+                config.max_length, image_size, config.seed, config.augment,
+                **augmentation_options(config),
+            )  # fmt: skip
+
+        if isinstance(data, MixedPairs):  # each source its own columns
+            self.dataset = Mixture([captions(source) for source in data.sources], data.names,
+                                   data.weights)  # fmt: skip
+        else:
+            self.dataset = captions(data)
         self.row = LOSSES[self.loss_name]
         self.criterion = self.row.make(config)
         self.template = config.zero_shot_template
         self.class_names = class_names(data) if self.template else None
-        self.evaluation, self.caption_column = data.evaluation, caption_column
+        self.evaluation, self.caption_column = data.evaluation, data.text_columns[0]
         self.image_column, self.image_size = data.image_column, image_size
 
-    def _towers(self, config, data: PairData, caption_column: str, world_size: int, say: Say):
+    def _towers(self, config, data: PairData, world_size: int, say: Say):
         """``--text-model``'s tower and ``--model``'s or ``--image-model``'s, projected into
         one width, with a learnable scale (and SigLIP's bias); and the image size."""
         from models.text import ImageTextModel, TextTower
 
-        encoder, self.tokenizer, self.inputs = text_encoder(config, data, [caption_column])
+        encoder, self.tokenizer, self.inputs = text_encoder(config, data, data.text_columns)
         width = config.projection_dim or SIMCLR_HEAD[2]
         if config.image_model:
             image, image_size, self.inputs["image_model"] = pretrained_image_model(

@@ -30,6 +30,7 @@ from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods import composition
 from contrastive_accelerate.methods.base import (
     DTYPES,
+    EVERY_SOURCE,
     Family,
     Method,
     MethodRow,
@@ -94,7 +95,7 @@ TEXT_PAIRS = Family(
     reads=("gradient_checkpointing",), losses=("mnrl",),
 )  # fmt: skip
 IMAGE_TEXT = Family(
-    "--method pairs (image-text)", ("table", "stream"), ("scratch", "transformers", "clip"),
+    "--method pairs (image-text)", EVERY_SOURCE, ("scratch", "transformers", "clip"),
     reads=("gradient_checkpointing",), losses=("infonce", "siglip"),
 )  # fmt: skip
 #: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
@@ -141,7 +142,6 @@ def pair_data(config) -> PairData:
             shuffle_buffer=config.shuffle_buffer, mixture=config.mixture,
             weights=[float(w) for w in weights.split(",")] if weights else None,
             temperature=config.mixture_temperature,
-            images_refused=composition.refusal(IMAGE_TEXT, "mixture", None),
         )  # fmt: skip
     columns = split_columns(config.columns)
     if config.streaming:
