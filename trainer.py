@@ -39,7 +39,7 @@ from contrastive_accelerate.data import (
 )
 from contrastive_accelerate.figures import baselines_and_probe, final_summary
 from contrastive_accelerate.grad_cache import cached_backward
-from contrastive_accelerate.knn import KnnData, knn_data, knn_top1
+from contrastive_accelerate.knn import KnnData, evaluated_images, knn_data, knn_top1
 from contrastive_accelerate.launch import make_accelerator, one_line_errors
 from contrastive_accelerate.methods import METHODS, Method
 from contrastive_accelerate.optim import make_optimizer, warmup_cosine
@@ -116,7 +116,8 @@ def _train(
     """The run itself, top to bottom: data, method, optimizer, resume, loop, save."""
     # Data: the global batch and each sample's randomness depend on (seed, epoch, index).
     data = METHODS[config.method].load(config)
-    accelerator.print(data.evaluation_source)
+    evaluated, evaluation_source = evaluated_images(config, data)  # --eval-dataset's, or its own
+    accelerator.print(evaluation_source)
     check_data(config, data)
     if config.streaming or config.mixed:  # no epochs: read once, for --max-steps
         steps_per_epoch = config.max_steps
@@ -151,9 +152,10 @@ def _train(
         accelerator.init_trackers(config.method, config=_flat_for_trackers(config))
     # Every rank evaluates its share of the kNN bank and queries (contrastive_accelerate.knn).
     knn = None
-    if data.evaluation is not None and data.image_column is not None:
-        knn = knn_data(data.train, data.evaluation, data.image_column, data.label_column,
-                       config.image_size, config.skip_bad_images)  # fmt: skip
+    if evaluated.evaluation is not None and evaluated.image_column is not None:
+        knn = knn_data(evaluated.train, evaluated.evaluation, evaluated.image_column,
+                       evaluated.label_column, config.image_size,
+                       config.skip_bad_images)  # fmt: skip
     training = _Training(config, accelerator, run, method, model, optimizer, state, signals, knn,
                          StepChecks(accelerator.device), steps_per_epoch, total_steps)  # fmt: skip
     progress = _Progress(step, saved_step=step, started_step=step)

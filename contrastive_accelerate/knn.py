@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,26 @@ class KnnData:
     image_column: str
     image_size: int
     skip_unreadable: bool
+
+
+def evaluated_images(config, data) -> tuple[Any, str]:
+    """What kNN evaluation reads: ``--eval-dataset``'s splits (a labelled table: the bank
+    its training split, the queries its evaluation split or ``--eval-holdout`` of it, as
+    a training table's), else the training data's own (none for a stream or a mixture);
+    and the line that says where they come from."""
+    if config.eval_dataset is None:
+        return data, data.evaluation_source
+    from contrastive_accelerate.data.sources import load_image_dataset
+
+    name = config.eval_dataset
+    held = load_image_dataset(name)
+    if held.label_column is None or held.evaluation is None:
+        raise DataError(
+            f"--eval-dataset {name!r}: kNN needs labels and held-out images; it has "
+            f"{'no label column' if held.label_column is None else 'no evaluation split'}"
+        )
+    queries, bank = len(held.evaluation), min(len(held.train), BANK_SIZE)
+    return held, f"kNN evaluation: --eval-dataset {name!r}, {queries} queries, a bank of {bank}"
 
 
 def knn_data(

@@ -166,6 +166,8 @@ class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
         validate(self)
         if self.overwrite_output_dir and self.resume_from:
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
+        if self.eval_dataset is not None and self.knn_k == 0:
+            raise ConfigError("--eval-dataset applies with kNN evaluation: --knn-k 0 turns it off")
         method = self.chosen_method
         row = METHODS[method]
         composition.check(self, row)  # first: it says why a source or a tower is refused

@@ -108,6 +108,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         "clip_model",
         "lora_target_modules",
         "zero_shot_template",
+        "eval_dataset",
         "streams",  # from the shards (find_shards)
         "mixture_weights",  # from the sources' sizes (mixture_weights)
     }
@@ -427,6 +428,7 @@ def test_a_dataset_given_several_times_is_a_mixture_of_them(tmp_path):
         "applies to several --dataset": ["--dataset", "one", "--mixture", "round-robin"],
         "applies to --mixture proportional": [*MIXED, "--mixture", "round-robin",
                                               "--mixture-weights", "1,2"],
+        "--eval-dataset applies with kNN evaluation": ["--eval-dataset", "d", "--knn-k", "0"],
         "--freeze-last-layer counts epochs, which a stream or a mixture has not": [
             "--dataset", "a", "--dataset", "b", "--max-steps", "2", "--method", "dino",
             "--freeze-last-layer", "1"],

@@ -390,3 +390,28 @@ def test_tar_members_are_named_and_decoded_as_webdataset_does(tmp_path):
     # The control: undecoded, as these columns were here, they differ from webdataset's.
     raw = next(iter(webdataset.WebDataset(path, shardshuffle=False)))
     assert raw["b.txt"] != theirs[0]["b.txt"] and raw["mask.cls2"] != theirs[0]["mask.cls2"]
+
+
+def test_a_stream_evaluates_on_eval_dataset_alike_on_any_number_of_processes(
+    image_folder, tmp_path
+):
+    """SimCLR on tar shards of digits, evaluated on a labelled table (``--eval-dataset``):
+    the kNN and probe figures are the same on 1 and 2 processes; without it a stream
+    has no evaluation (the control: the figures come from the option)."""
+    shards = make_digit_tar_shards(tmp_path / "tar", TAR_SHARDS)
+    flags = ["--method", "simclr", "--streaming", "--dataset", str(shards), "--shuffle-buffer",
+             "4", "--model", "mlp", "--image-size", "8", "--dtype", "float64", "--batch-size",
+             "6", "--max-steps", "3", "--num-workers", "0", "--knn-k", "3"]  # fmt: skip
+
+    def figures(processes: int, *extra: str) -> dict[str, float]:
+        out = tmp_path / f"run-{processes}-{len(extra)}"
+        train_pooled(processes, *flags, *extra, "--output-dir", str(out))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        return {key: value for record in records for key, value in record.items()
+                if "top1" in key}  # fmt: skip
+
+    evaluated = [figures(processes, "--eval-dataset", image_folder) for processes in (1, 2)]
+    print(f"--eval-dataset on a stream, 1 and 2 processes: {evaluated}")
+    assert {"knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"} <= set(evaluated[0])
+    assert evaluated[0] == evaluated[1]
+    assert figures(1) == {}

@@ -38,6 +38,10 @@ class ImageOptions:
         None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
     )
     skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
+    eval_dataset: str | None = option(
+        None, "kNN and probe on this labelled table (its evaluation split); none: --dataset's",
+        resume="free",
+    )  # fmt: skip
 
 
 def simclr_augmentation(

@@ -190,7 +190,7 @@ def dataset_options(config) -> dict[str, Any]:
         "label_column": config.label_column,
         "eval_split": config.eval_split,
         "eval_holdout": config.eval_holdout,
-        "evaluate": config.knn_k > 0,
+        "evaluate": config.knn_k > 0 and config.eval_dataset is None,  # else held out there
     }
 
 
