@@ -78,9 +78,12 @@ class DINOModel(ImageModel):
         dino_out_dim: int = 1024,
         dropout: float = 0.0,
         drop_path: float = 0.0,
+        encoder: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        tower, width = self.add_tower(backbone, image_size, in_channels, dropout, drop_path)
+        tower, width = self.add_tower(
+            backbone, image_size, in_channels, dropout, drop_path, encoder=encoder
+        )
         # SimCLR's head is drawn and dropped, as earlier versions did before replacing it:
         # a seed gives the weights it gave them.
         tower_projection_head(tower, width, projection_hidden_dim, projection_dim, 2)

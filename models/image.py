@@ -16,6 +16,7 @@ follows the parameters' order, the same parameters.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -23,7 +24,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from models.towers import SMALL_IMAGE_MAX_SIZE, ImageTower, image_tower
+from models.towers import PRETRAINED_TOWER, SMALL_IMAGE_MAX_SIZE, ImageTower, image_tower
 
 
 class ImageModel(nn.Module, PyTorchModelHubMixin):
@@ -31,6 +32,8 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
 
     encoder: nn.Module
     projection_head: nn.Module
+    #: A pretrained tower's image processor (``--image-model``), saved beside it.
+    processor = None
 
     def add_tower(
         self,
@@ -40,9 +43,13 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
         dropout: float = 0.0,
         drop_path: float = 0.0,
         small_image_max_size: int = SMALL_IMAGE_MAX_SIZE,
+        encoder: nn.Module | None = None,
     ) -> tuple[ImageTower, int]:
-        """Build the tower ``backbone`` (``models.towers.IMAGE_TOWERS``) as ``encoder``;
-        its row and its width."""
+        """Build the tower ``backbone`` (``models.towers.IMAGE_TOWERS``) as ``encoder``, or
+        take a pretrained one (``models.vision.VisionTower``); its row and its width."""
+        if encoder is not None:
+            self.encoder = encoder
+            return PRETRAINED_TOWER, encoder.output_dim
         if small_image_max_size != SMALL_IMAGE_MAX_SIZE:  # kept for saved config.json files
             raise ValueError(f"small_image_max_size is {SMALL_IMAGE_MAX_SIZE}")
         tower = image_tower(backbone)
@@ -58,9 +65,18 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
     ) -> None:
         """What ``final/`` holds besides the streamed ``model.safetensors``: for this
         one-tower model, the model itself (``save_pretrained``: its weights and
-        ``config.json``), inside ``whole(self)`` (``models.text.TextPairModel``'s)."""
+        ``config.json``), inside ``whole(self)`` (``models.text.TextPairModel``'s); a
+        pretrained tower in its own format instead, in ``image/`` (``AutoModel`` and
+        ``AutoImageProcessor`` load it; an adapted one merged, its adapter in
+        ``image_adapter/``), the heads in the streamed weights."""
         with whole(self):
-            self.save_pretrained(directory)
+            if self.processor is None:
+                self.save_pretrained(directory)
+                return
+            from models.vision import save_vision_tower
+
+            image = os.path.join(directory, "image")
+            save_vision_tower(self.encoder, self.processor, image, image + "_adapter")
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""

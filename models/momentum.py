@@ -152,15 +152,18 @@ class PredictorModel(ImageModel):
         prediction_hidden_dim: int = 512,
         dropout: float = 0.0,
         drop_path: float = 0.0,
+        encoder: nn.Module | None = None,
     ) -> None:
         super().__init__()
         # BatchNorm in the predictor where the head has it; drawn before the tower, as in
         # earlier versions (see models.image).
         self.predictor = projection_head(
             projection_dim, prediction_hidden_dim, projection_dim, 2,
-            batch_norm=image_tower(backbone).batch_norm, after_linear=False,
+            batch_norm=encoder is None and image_tower(backbone).batch_norm, after_linear=False,
         )  # fmt: skip
-        tower, width = self.add_tower(backbone, image_size, in_channels, dropout, drop_path)
+        tower, width = self.add_tower(
+            backbone, image_size, in_channels, dropout, drop_path, encoder=encoder
+        )
         self.projection_head = tower_projection_head(
             tower, width, projection_hidden_dim, projection_dim, projection_layers
         )

@@ -51,6 +51,7 @@ class SimCLR(ImageModel):
         logit_bias: float | None = None,
         dropout: float = 0.0,
         drop_path: float = 0.0,
+        encoder: nn.Module | None = None,
     ) -> None:
         super().__init__()
         # CLIP-style temperature as a learnable log-scale (and SigLIP's bias): parameters of
@@ -62,7 +63,7 @@ class SimCLR(ImageModel):
             nn.Parameter(torch.tensor(float(logit_bias))) if logit_bias is not None else None
         )
         tower, width = self.add_tower(
-            backbone, image_size, in_channels, dropout, drop_path, small_image_max_size
+            backbone, image_size, in_channels, dropout, drop_path, small_image_max_size, encoder
         )
         self.projection_head = tower_projection_head(
             tower, width, projection_hidden_dim, projection_dim, projection_layers

@@ -207,6 +207,14 @@ class _StochasticDepthBlock(nn.Module):
         return x + self.drop_path_mlp(self.mlp(self.ln_2(x)))
 
 
+def _loaded(*args) -> tuple[nn.Module, int]:
+    raise ValueError("a pretrained tower is loaded (models.vision), not built")
+
+
+#: What the heads ask of a pretrained tower (``--image-model``, ``models.vision.VisionTower``):
+#: no BatchNorm, a normalised output, one input size.
+PRETRAINED_TOWER = ImageTower(_loaded, (), batch_norm=False, any_input_size=False)
+
 #: What only the towers read; each tower reads its row's ``options``.
 TOWER_OPTIONS = ("dropout", "drop_path", "gradient_checkpointing")
 _RESNET = {"options": ("gradient_checkpointing",), "batch_norm": True, "any_input_size": True}

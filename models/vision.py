@@ -139,16 +139,26 @@ class PretrainedImageModel(nn.Module):
     def save_pretrained(self, directory: str, adapter_directory: str | None = None) -> None:
         """The encoder and processor in ``directory``; an adapted encoder merged there and
         its adapter in ``adapter_directory``."""
-        encoder = self.encoder.encoder
-        if is_adapted(encoder):
-            save_adapted(encoder, directory, adapter_directory or directory + "_adapter")
-        else:
-            save_without_code(encoder, directory, safe_serialization=True)
-        if self.processor is not None:
-            save_without_code(self.processor, directory)
+        save_vision_tower(self.encoder, self.processor, directory,
+                          adapter_directory or directory + "_adapter")  # fmt: skip
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.encoder(images)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.projection(self.encoder(images))
+
+
+def save_vision_tower(
+    tower: VisionTower, processor, directory: str, adapter_directory: str
+) -> None:
+    """``tower``'s encoder and ``processor`` in ``directory``, where ``AutoModel`` and
+    ``AutoImageProcessor`` load them; an adapted encoder merged there and its adapter in
+    ``adapter_directory``."""
+    encoder = tower.encoder
+    if is_adapted(encoder):
+        save_adapted(encoder, directory, adapter_directory)
+    else:
+        save_without_code(encoder, directory, safe_serialization=True)
+    if processor is not None:
+        save_without_code(processor, directory)

@@ -30,6 +30,7 @@ import pytest
 
 from contrastive_accelerate.config import ConfigError, parse_args
 from contrastive_accelerate.methods import METHODS
+from contrastive_accelerate.methods.base import image_data
 from contrastive_accelerate.methods.composition import PAGE, TOWERS, Cell, cells, page
 from trainer import TrainConfig
 
@@ -47,7 +48,8 @@ from launch import (
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "5", "--save-every", "2",
           "--knn-k", "0", "--num-workers", "0", "--log-every", "5"]  # fmt: skip
-IMAGES = ["--model", "mlp", "--image-size", "8", "--dropout", "0.1", "--lr", "0.1"]
+SCRATCH_TOWER = ["--model", "mlp", "--dropout", "0.1"]  # a tower from scratch, with dropout
+IMAGES = ["--image-size", "8", "--lr", "0.1"]
 TEXT = ["--max-length", "8", "--lr", "1e-3"]
 #: Each family's own flags (its data are added by ``command``).
 FAMILY_FLAGS = {
@@ -105,13 +107,12 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
     else:
         shards = data["text shards"] if text_pairs else data["image shards"]
         source = ["--streaming", "--dataset", shards, "--shuffle-buffer", "4"]
-    tower = {None: [], "scratch": [], "transformers": ["--image-model", data["vit"]],
+    tower = {None: [], "scratch": SCRATCH_TOWER, "transformers": ["--image-model", data["vit"]],
              "clip": ["--clip-model", data["clip"]]}[cell.tower]  # fmt: skip
     if text_pairs:
         tower = ["--text-model", data["bert"]]
-    elif image_text:  # a text tower from scratch beside the image tower, but CLIP's own
-        tower += {"scratch": ["--model", "mlp", "--dropout", "0.1", "--text-model", "scratch"],
-                  "transformers": ["--text-model", "scratch"], "clip": []}[cell.tower]  # fmt: skip
+    elif image_text and cell.tower != "clip":  # a text tower from scratch, but CLIP's own
+        tower += ["--text-model", "scratch"]
     columns = []
     if image_text:
         columns = ["--columns", "png,txt" if cell.source == "stream" else "image,caption"]
@@ -221,6 +222,44 @@ def test_a_mid_stream_checkpoint_of_two_processes_resumes_on_three(runs, data, m
     assert error <= EXACT
 
 
+#: The methods that read images alone (their data are ``image_data``'s).
+IMAGE_METHODS = [name for name, row in METHODS.items() if row.load is image_data]
+
+
+@pytest.mark.parametrize("method", IMAGE_METHODS)
+def test_control_per_process_dropout_breaks_an_image_method_on_a_pretrained_tower(
+    runs, data, method
+):
+    """The ViT's own dropout, keyed by sample where it loads: torch's per-process masks
+    make 2 processes train another model."""
+    cell = next(c for c in TRAINED if c.method == method and c.tower == "transformers"
+                and c.source == "table")  # fmt: skip
+    flags = command(cell, data)
+    error = final_files_difference(runs(1, *flags), runs(2, *flags, *CONTROL))
+    print(f"{method} on a transformers ViT, per-process dropout, 1 vs 2 processes: {error:.1e}")
+    assert error > 1e3 * EXACT
+
+
+@pytest.mark.parametrize("method", ["simclr", "dino"])
+def test_an_image_methods_pretrained_tower_is_exported_in_its_own_format(runs, data, method):
+    """final/image is the trained tower as ``AutoModel`` loads it: its weights are those
+    of final/model.safetensors' encoder, bit for bit, and its processor is beside it."""
+    from safetensors.torch import load_file
+    from transformers import AutoImageProcessor, AutoModel
+
+    cell = next(c for c in TRAINED if c.method == method and c.tower == "transformers"
+                and c.source == "table")  # fmt: skip
+    final = runs(1, *command(cell, data)) / "final"
+    trained = {name[len("encoder.encoder."):]: tensor
+               for name, tensor in load_file(final / "model.safetensors").items()
+               if name.startswith("encoder.encoder.")}  # fmt: skip
+    exported = AutoModel.from_pretrained(final / "image", dtype="float64").state_dict()
+    assert set(trained) <= set(exported) and AutoImageProcessor.from_pretrained(final / "image")
+    error = max((exported[name] - tensor).abs().max().item() for name, tensor in trained.items())
+    print(f"{method}: final/image vs the trained tower's weights: {error:.1e}")
+    assert error == 0.0
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one(runs, data, method, tmp_path):
     flags = command(TABLE_CELLS[method], data)
@@ -307,7 +346,7 @@ def test_a_toy_method_of_one_module_and_one_row_is_checked_refused_and_trained(
         ]
         assert len(toy) == len(TOWERS) * 3 and "--method toy" in page(METHODS)
     assert "toy" not in METHODS
-    flags = ["--method", "toy", *COMMON, *IMAGES, "--dataset", image_folder]
+    flags = ["--method", "toy", *COMMON, *IMAGES, *SCRATCH_TOWER, "--dataset", image_folder]
     runs = {}
     for processes in (1, 2):
         runs[processes] = tmp_path / f"on-{processes}"

@@ -126,6 +126,9 @@ class Method:
 
 #: Every kind of source: a table, streamed shards, a mixture (``composition.SOURCES``).
 EVERY_SOURCE = ("table", "stream", "mixture")
+#: The image towers an image method's heads sit on: from scratch, or a transformers vision
+#: model (``composition.TOWERS``).
+IMAGE_METHOD_TOWERS = ("scratch", "transformers")
 
 
 @dataclass(frozen=True)
@@ -237,17 +240,32 @@ def head_shape(head: tuple[int, int, int]) -> dict[str, int]:
 def image_model(
     config, world_size: int, say: Say, model_class: type[ImageModel], **heads: Any
 ) -> ImageModel:
-    """``--model``'s tower under the method's heads (``model_class``, with ``heads`` its
-    own arguments: the head's shape, a learnable scale, a predictor's width), with global
-    BatchNorm statistics and dropout keyed by sample where the options ask for them."""
+    """``--model``'s tower, or ``--image-model``'s, under the method's heads
+    (``model_class``, with ``heads`` its own arguments: the head's shape, a learnable
+    scale, a predictor's width), with global BatchNorm statistics and dropout keyed by
+    sample where the options ask for them (a pretrained tower's own dropout is keyed
+    where it loads: ``image_text.pretrained_image_tower``)."""
+    encoder = processor = None
+    if config.image_model:
+        from contrastive_accelerate.methods.image_text import pretrained_image_tower
+
+        if config.image_size is None:
+            raise TrainerError(
+                f"--image-model with --method {config.method}: give --image-size, the size "
+                "of the crops its tower takes"
+            )
+        encoder, processor = pretrained_image_tower(config, world_size, say)
     model = model_class(
         backbone=config.model,
         image_size=config.image_size,
         dropout=config.dropout,
         drop_path=config.drop_path,
+        encoder=encoder,
         **heads,
     ).to(DTYPES[config.dtype])
-    if config.gradient_checkpointing and config.model != "mlp":  # image-text's text tower may
+    model.processor = processor
+    scratch = encoder is None and config.model != "mlp"  # image-text's text tower may
+    if config.gradient_checkpointing and scratch:  # a pretrained one is checkpointed on load
         checkpoint_image_encoder(model.encoder)
     if world_size > 1 and config.sync_batchnorm:
         model = convert_sync_batchnorm(model)

@@ -17,6 +17,7 @@ from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     EVERY_SOURCE,
+    IMAGE_METHOD_TOWERS,
     SIMCLR_HEAD,
     Family,
     MethodRow,
@@ -214,12 +215,18 @@ def defaults(config) -> dict[str, Any]:
         "teacher_momentum": 0.99 if digits else 0.996,
         "teacher_temperature": 0.01 if digits else 0.04,
         "dino_out_dim": 256 if digits else 1024,
-        "local_crops": 0 if not IMAGE_TOWERS[config.model].any_input_size or digits else 6,
+        "local_crops": 0 if not any_input_size(config) or digits else 6,
         "local_crop_size": max(1, config.image_size // 2),
         # A stream or a mixture has no epochs: its one pass would freeze the whole run.
         "freeze_last_layer": 0 if config.streaming or config.mixed else 1,
         **({"epochs": 90} if digits else {}),
     }
+
+
+def any_input_size(config) -> bool:
+    """Whether the tower takes local crops at another size than the global ones: a row of
+    ``IMAGE_TOWERS`` that says so; not yet a pretrained one (``--image-model``)."""
+    return not config.image_model and IMAGE_TOWERS[config.model].any_input_size
 
 
 def check(config) -> None:
@@ -229,6 +236,8 @@ def check(config) -> None:
             "last layer would stay frozen for the whole run"
         )
     tower = IMAGE_TOWERS[config.model]
+    if config.local_crops and config.image_model:
+        raise ConfigError("--local-crops: an --image-model tower takes one input size here yet")
     if config.local_crops and not tower.any_input_size:
         raise ConfigError(
             f"--local-crops: {config.model} takes one input size; use a resnet or a vit"
@@ -258,5 +267,5 @@ DINO = MethodRow(
     sections=(TeacherOptions, DINOOptions),
     defaults=defaults,
     check=check,
-    families=(Family("--method dino", sources=EVERY_SOURCE),),
+    families=(Family("--method dino", EVERY_SOURCE, IMAGE_METHOD_TOWERS),),
 )

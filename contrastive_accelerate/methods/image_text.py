@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -204,29 +205,58 @@ def pretrained_image_model(
     as CLIP's is; the image size (``--image-size``, else its processor's); and the
     digests of its weights and processor. Its dropout is keyed by sample like the other
     towers'; parameters the pooling never reaches are frozen."""
-    from models.vision import PretrainedImageModel, VisionTower, processor_image_size
+    from models.vision import PretrainedImageModel, processor_image_size
 
-    name, dtype = config.image_model, DTYPES[config.dtype]
+    tower, processor, digests = load_vision_tower(config)
+    size = config.image_size or processor_image_size(processor)
+    model = PretrainedImageModel(tower, width, processor).to(DTYPES[config.dtype])
+    probe = image_probe(model, config, size)
+    model = tower_dropout(model.train(), probe, config, world_size, say)
+    freeze_unreached(model, probe, say)
+    return model, size, {**digests, "processor": processor_digest(processor)}
+
+
+def load_vision_tower(config) -> tuple[nn.Module, Any, dict[str, str]]:
+    """``--image-model``'s encoder as the options train it (``adapted``: checkpointed
+    layers, LoRA), pooled (``--image-pooling``) and normalised as its processor says
+    (``models.vision.VisionTower``); its processor; the digests of its weights."""
+    from models.vision import VisionTower
+
+    name = config.image_model
     if reason := unreachable_reason(name, "models"):
         raise TrainerError(f"cannot load --image-model {name!r}: {reason}")
-    encoder, processor = TOWER_KINDS["transformers"].load(name, dtype)
+    encoder, processor = TOWER_KINDS["transformers"].load(name, DTYPES[config.dtype])
     digests = {"weights": weights_digest(encoder)}  # before adapters rename its weights
     encoder = adapted(encoder, config, "image", "--image-model")
-    size = config.image_size or processor_image_size(processor)
     tower = VisionTower(encoder, config.image_pooling, processor.image_mean, processor.image_std)
-    model = PretrainedImageModel(tower, width, processor).to(dtype)
-    probe = (torch.zeros(1, 3, size, size, dtype=dtype),)
+    return tower, processor, digests
+
+
+def pretrained_image_tower(config, world_size: int, say: Say) -> tuple[nn.Module, Any]:
+    """``--image-model``'s tower for an image method's heads (``load_vision_tower``), in
+    the run's dtype, its dropout keyed by sample and what its pooling never reaches
+    frozen, as image-text's; and its processor. Its crops are ``--image-size``."""
+    tower, processor, _ = load_vision_tower(config)
+    tower = tower.to(DTYPES[config.dtype])
+    probe = image_probe(tower, config, config.image_size)
+    tower = tower_dropout(tower.train(), probe, config, world_size, say)
+    freeze_unreached(tower, probe, say)
+    return tower, processor
+
+
+def image_probe(model: nn.Module, config, size: int) -> tuple[torch.Tensor]:
+    """A black image of ``size`` that ``model`` (an ``--image-model`` tower) embeds in
+    eval mode, as the probe of its dropout; a size it cannot embed is one line."""
+    probe = (torch.zeros(1, 3, size, size, dtype=DTYPES[config.dtype]),)
     try:
         with torch.no_grad():
             model.eval()(*probe)
     except (IndexError, RuntimeError, ValueError) as error:
         raise TrainerError(
-            f"--image-size {size}: --image-model {name!r} cannot embed it "
+            f"--image-size {size}: --image-model {config.image_model!r} cannot embed it "
             f"({str(error).strip().splitlines()[0][:160]})"
         ) from None
-    model = tower_dropout(model.train(), probe, config, world_size, say)
-    freeze_unreached(model, probe, say)
-    return model, size, {**digests, "processor": processor_digest(processor)}
+    return probe
 
 
 def dual_encoder(config, world_size: int, say: Say) -> tuple[nn.Module, int, dict]:

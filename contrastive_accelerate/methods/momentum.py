@@ -16,6 +16,7 @@ from contrastive_accelerate.data import TwoViewBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.methods.base import (
     EVERY_SOURCE,
+    IMAGE_METHOD_TOWERS,
     SIMCLR_HEAD,
     Family,
     Method,
@@ -205,7 +206,7 @@ MOCO = MethodRow(
     options=(*TEACHER_OPTIONS, *QUEUE_OPTIONS, "temperature"),
     sections=(TeacherOptions, QueueOptions),
     defaults=momentum_defaults(0.99, temperature=0.2),  # MoCo v3's
-    families=(Family("--method moco", sources=EVERY_SOURCE),),
+    families=(Family("--method moco", EVERY_SOURCE, IMAGE_METHOD_TOWERS),),
 )
 BYOL = MethodRow(
     MomentumMethod,
@@ -213,5 +214,5 @@ BYOL = MethodRow(
     options=TEACHER_OPTIONS,
     sections=(TeacherOptions,),
     defaults=momentum_defaults(0.996),
-    families=(Family("--method byol", sources=EVERY_SOURCE),),
+    families=(Family("--method byol", EVERY_SOURCE, IMAGE_METHOD_TOWERS),),
 )

@@ -42,7 +42,7 @@ from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
 from models.text import POOLINGS
-from models.towers import IMAGE_TOWER_KINDS, TOWER_KINDS, PretrainedTowerOptions, TowerOptions
+from models.towers import IMAGE_TOWER_KINDS, TOWER_KINDS, TowerOptions
 
 
 @dataclass
@@ -104,8 +104,12 @@ TEXT_PAIR_LOSSES, IMAGE_TEXT_LOSSES = TEXT_PAIRS.losses, IMAGE_TEXT.losses
 PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 
 #: What only pairs read.
-TEXT_OPTIONS = (*field_names(PairsOptions), *field_names(PretrainedTowerOptions), *LORA_OPTIONS,
-                *options_of(TEXT_PAIR_LOSSES))  # fmt: skip
+#: (The kinds of tower with a text tower are pairs' alone; ``--image-model`` and its
+#: pooling are the image methods' too: ``composition`` refuses them where they do not apply.)
+TEXT_OPTIONS = (
+    *field_names(PairsOptions), *(TOWER_KINDS[kind].option for kind in ("text", "clip")),
+    *LORA_OPTIONS, *options_of(TEXT_PAIR_LOSSES),
+)  # fmt: skip
 
 #: What text-text pairs never read (no image tower, no labels to probe): set, refused.
 IMAGE_OPTIONS = (

@@ -21,6 +21,7 @@ from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     DTYPES,
     EVERY_SOURCE,
+    IMAGE_METHOD_TOWERS,
     Family,
     Method,
     MethodRow,
@@ -45,6 +46,7 @@ from models.momentum import KeyQueue
 SIMCLR_FAMILY = Family(
     "--method simclr",
     sources=EVERY_SOURCE,
+    towers=IMAGE_METHOD_TOWERS,
     losses=("ntxent", "dcl", "dclw", "supcon", "infonce", "siglip", "barlowtwins", "vicreg"),
 )
 #: The rows of its losses.
