@@ -32,8 +32,9 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
 
     encoder: nn.Module
     projection_head: nn.Module
-    #: A pretrained tower's image processor (``--image-model``), saved beside it.
-    processor = None
+    #: How a pretrained tower is saved in its own format (``--image-model``'s,
+    #: ``--timm-model``'s): ``export_tower(directory)``; None: a tower from scratch.
+    export_tower: Callable[[str], None] | None = None
 
     def add_tower(
         self,
@@ -66,17 +67,13 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
         """What ``final/`` holds besides the streamed ``model.safetensors``: for this
         one-tower model, the model itself (``save_pretrained``: its weights and
         ``config.json``), inside ``whole(self)`` (``models.text.TextPairModel``'s); a
-        pretrained tower in its own format instead, in ``image/`` (``AutoModel`` and
-        ``AutoImageProcessor`` load it; an adapted one merged, its adapter in
-        ``image_adapter/``), the heads in the streamed weights."""
+        pretrained tower in its own format instead, in ``image/`` (``export_tower``:
+        ``AutoModel`` or timm load it), the heads in the streamed weights."""
         with whole(self):
-            if self.processor is None:
+            if self.export_tower is None:
                 self.save_pretrained(directory)
-                return
-            from models.vision import save_vision_tower
-
-            image = os.path.join(directory, "image")
-            save_vision_tower(self.encoder, self.processor, image, image + "_adapter")
+            else:
+                self.export_tower(os.path.join(directory, "image"))
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""

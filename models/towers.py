@@ -290,6 +290,12 @@ class PretrainedTowerOptions:
         "pooled", "--image-model: its pooled output, the first token or the patches' mean",
         choices=IMAGE_POOLINGS,
     )  # fmt: skip
+    timm_model: str | None = option(
+        None, "a timm model: a folder in timm's hub layout, or an architecture name"
+    )
+    timm_weights: str | None = option(
+        None, "--timm-model NAME's weights: a safetensors file; none: random weights"
+    )
 
 
 @dataclass(frozen=True)
@@ -338,7 +344,13 @@ TOWER_KINDS: dict[str, TowerKind] = {
         loader="models.dual_encoder:load_dual_encoder",
         exports="final/: AutoModel.from_pretrained, both towers, tokenizer and processor",
     ),
-    "timm": TowerKind("a timm model", None, ("images",), exports="(no option yet)"),
+    "timm": TowerKind(
+        "a timm model (--timm-model)", "timm_model", ("images",), reads=("timm_weights",),
+        replaces=("model", "dropout", "drop_path", "image_model", "clip_model"),
+        loader="models.timm_tower:load_timm_tower",
+        exports="final/image/: timm.create_model(architecture, pretrained=True, "
+        "pretrained_cfg_overlay={'file': .../model.safetensors}, **model_args)",
+    ),
     "text": TowerKind(
         "a transformers text tower (--text-model)", "text_model", ("texts",),
         loader="models.text:load_text_encoder",

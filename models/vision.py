@@ -139,8 +139,7 @@ class PretrainedImageModel(nn.Module):
     def save_pretrained(self, directory: str, adapter_directory: str | None = None) -> None:
         """The encoder and processor in ``directory``; an adapted encoder merged there and
         its adapter in ``adapter_directory``."""
-        save_vision_tower(self.encoder, self.processor, directory,
-                          adapter_directory or directory + "_adapter")  # fmt: skip
+        save_vision_tower(self.encoder, self.processor, directory, adapter_directory)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.encoder(images)
@@ -150,14 +149,14 @@ class PretrainedImageModel(nn.Module):
 
 
 def save_vision_tower(
-    tower: VisionTower, processor, directory: str, adapter_directory: str
+    tower: VisionTower, processor, directory: str, adapter_directory: str | None = None
 ) -> None:
     """``tower``'s encoder and ``processor`` in ``directory``, where ``AutoModel`` and
     ``AutoImageProcessor`` load them; an adapted encoder merged there and its adapter in
-    ``adapter_directory``."""
+    ``adapter_directory`` (none: ``directory`` + "_adapter")."""
     encoder = tower.encoder
     if is_adapted(encoder):
-        save_adapted(encoder, directory, adapter_directory)
+        save_adapted(encoder, directory, adapter_directory or directory + "_adapter")
     else:
         save_without_code(encoder, directory, safe_serialization=True)
     if processor is not None:

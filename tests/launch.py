@@ -515,6 +515,35 @@ def make_digit_parquet(path: Path, count: int, *, start: int = 0) -> Path:
     return path
 
 
+def make_timm_model(
+    root: Path, architecture: str = "vit_tiny_patch16_224", *, dropout: float = 0.1, **model_args
+) -> Path:
+    """A tiny timm model (by default a 2-block ViT of width 16 on 8 px with patches of 4,
+    dropout ``dropout``; any timm architecture and arguments) with random weights, saved
+    in timm's hub layout: ``config.json`` (architecture, model arguments, a normalisation)
+    and ``model.safetensors`` with its classifier, as timm's hub repositories hold them."""
+    import json
+
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    if architecture == "vit_tiny_patch16_224" and not model_args:
+        model_args = {"img_size": 8, "patch_size": 4, "depth": 2, "embed_dim": 16,
+                      "num_heads": 2}  # fmt: skip
+    model_args = {**model_args, "drop_rate": dropout} if dropout else model_args
+    torch.manual_seed(0)
+    model = timm.create_model(architecture, pretrained=False, num_classes=5, **model_args)
+    root.mkdir(parents=True, exist_ok=True)
+    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(weights, root / "model.safetensors")
+    normalisation = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    config = {"architecture": architecture, "num_classes": 5, "model_args": model_args,
+              "pretrained_cfg": normalisation}  # fmt: skip
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
 def make_text_model(
     root: Path, *, dropout: float = 0.1, pad_token: bool = True, vocab_size: int | None = None
 ) -> Path:

@@ -5,8 +5,7 @@
   ``--fsdp``: float64, 20 rows in global batches of 6 (each epoch ends with a batch of
   2), 5 steps, every tensor of ``final/`` within ``EXACT``.
 - A cell that is refused stops in one line with the cell's own reason
-  (``composition.refusal``), before any step; the timm column has no option yet, so
-  every family refuses it.
+  (``composition.refusal``), before any step.
 - ``docs/composition.md`` is the page the table generates.
 
 The cells come from the table: a family that gains a kind of source or tower is trained
@@ -22,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +42,7 @@ from launch import (
     make_digit_tar_shards,
     make_sentence_pairs,
     make_text_pair_shards,
+    make_timm_model,
     train_pooled,
 )
 
@@ -63,7 +64,7 @@ FAMILY_FLAGS = {
 CONTROL = ("--dropout-masks", "per-process")
 CELLS = cells(METHODS)
 TRAINED = [cell for cell in CELLS if cell.reason is None]
-REFUSED = [cell for cell in CELLS if cell.reason is not None and cell.tower != "timm"]
+REFUSED = [cell for cell in CELLS if cell.reason is not None]
 
 
 def name(cell: Cell) -> str:
@@ -86,6 +87,8 @@ def data(tmp_path_factory, image_folder, sentence_pairs, captioned_images, tiny_
         "text shards": str(make_text_pair_shards(root / "text", [7, 11, 5])),
         "image shards": str(make_digit_tar_shards(root / "tar", [7, 11, 5])),
         "image parquet": str(make_digit_parquet(root / "digits.parquet", 13, start=40)),
+        "timm": str(make_timm_model(root / "timm")),
+        "timm resnet": str(make_timm_model(root / "resnet", "test_resnet", dropout=0.0)),
     }  # fmt: skip
 
 
@@ -108,7 +111,8 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
         shards = data["text shards"] if text_pairs else data["image shards"]
         source = ["--streaming", "--dataset", shards, "--shuffle-buffer", "4"]
     tower = {None: [], "scratch": SCRATCH_TOWER, "transformers": ["--image-model", data["vit"]],
-             "clip": ["--clip-model", data["clip"]]}[cell.tower]  # fmt: skip
+             "clip": ["--clip-model", data["clip"]], "timm": ["--timm-model", data["timm"]],
+             }[cell.tower]  # fmt: skip
     if text_pairs:
         tower = ["--text-model", data["bert"]]
     elif image_text and cell.tower != "clip":  # a text tower from scratch, but CLIP's own
@@ -127,11 +131,11 @@ def test_the_matrix_page_is_the_generated_one():
     )
 
 
-def test_every_family_has_its_flags_and_the_timm_column_is_refused_everywhere():
+def test_every_family_has_its_flags_and_every_tower_its_command_line(data):
     assert {cell.family.name for cell in CELLS} == set(FAMILY_FLAGS)
-    assert set(TOWERS) >= {cell.tower for cell in CELLS if cell.tower}
-    assert all(cell.reason for cell in CELLS if cell.tower == "timm")
-    assert {"timm"} == set(TOWERS) - {"scratch", "transformers", "clip"}  # no option names it
+    assert set(TOWERS) == {cell.tower for cell in CELLS if cell.tower}
+    for cell in CELLS:
+        command(cell, data)  # a kind of tower without its flags fails here
 
 
 @pytest.mark.parametrize("cell", TRAINED, ids=name)
@@ -226,38 +230,71 @@ def test_a_mid_stream_checkpoint_of_two_processes_resumes_on_three(runs, data, m
 IMAGE_METHODS = [name for name, row in METHODS.items() if row.load is image_data]
 
 
+def pretrained_cell(method: str, tower: str) -> Cell:
+    return next(c for c in TRAINED if c.method == method and c.tower == tower
+                and c.source == "table")  # fmt: skip
+
+
+@pytest.mark.parametrize("tower", ["transformers", "timm"])
 @pytest.mark.parametrize("method", IMAGE_METHODS)
 def test_control_per_process_dropout_breaks_an_image_method_on_a_pretrained_tower(
-    runs, data, method
+    runs, data, method, tower
 ):
-    """The ViT's own dropout, keyed by sample where it loads: torch's per-process masks
-    make 2 processes train another model."""
-    cell = next(c for c in TRAINED if c.method == method and c.tower == "transformers"
-                and c.source == "table")  # fmt: skip
-    flags = command(cell, data)
+    """The ViT's own dropout (transformers' or timm's), keyed by sample where it loads:
+    torch's per-process masks make 2 processes train another model."""
+    flags = command(pretrained_cell(method, tower), data)
     error = final_files_difference(runs(1, *flags), runs(2, *flags, *CONTROL))
-    print(f"{method} on a transformers ViT, per-process dropout, 1 vs 2 processes: {error:.1e}")
+    print(f"{method} on a {tower} ViT, per-process dropout, 1 vs 2 processes: {error:.1e}")
     assert error > 1e3 * EXACT
 
 
+@pytest.mark.parametrize("tower", ["transformers", "timm"])
 @pytest.mark.parametrize("method", ["simclr", "dino"])
-def test_an_image_methods_pretrained_tower_is_exported_in_its_own_format(runs, data, method):
-    """final/image is the trained tower as ``AutoModel`` loads it: its weights are those
-    of final/model.safetensors' encoder, bit for bit, and its processor is beside it."""
+def test_an_image_methods_pretrained_tower_is_exported_in_its_own_format(runs, data, method, tower):
+    """final/image is the trained tower as its own library loads it (``AutoModel`` with
+    its processor beside it; ``timm.create_model`` with ``pretrained_cfg_overlay``): its
+    weights are those of final/model.safetensors' encoder, bit for bit."""
     from safetensors.torch import load_file
-    from transformers import AutoImageProcessor, AutoModel
 
-    cell = next(c for c in TRAINED if c.method == method and c.tower == "transformers"
-                and c.source == "table")  # fmt: skip
-    final = runs(1, *command(cell, data)) / "final"
+    final = runs(1, *command(pretrained_cell(method, tower), data)) / "final"
     trained = {name[len("encoder.encoder."):]: tensor
                for name, tensor in load_file(final / "model.safetensors").items()
                if name.startswith("encoder.encoder.")}  # fmt: skip
-    exported = AutoModel.from_pretrained(final / "image", dtype="float64").state_dict()
-    assert set(trained) <= set(exported) and AutoImageProcessor.from_pretrained(final / "image")
-    error = max((exported[name] - tensor).abs().max().item() for name, tensor in trained.items())
-    print(f"{method}: final/image vs the trained tower's weights: {error:.1e}")
+    if tower == "timm":
+        import timm
+
+        config = json.loads((final / "image" / "config.json").read_text())
+        exported = timm.create_model(
+            config["architecture"],
+            pretrained=True,
+            num_classes=0,
+            **config["model_args"],
+            pretrained_cfg_overlay={"file": str(final / "image" / "model.safetensors")},
+        ).state_dict()  # fmt: skip  (timm builds it in float32: compared there)
+    else:
+        from transformers import AutoImageProcessor, AutoModel
+
+        exported = AutoModel.from_pretrained(final / "image", dtype="float64").state_dict()
+        assert AutoImageProcessor.from_pretrained(final / "image")
+    assert set(trained) <= set(exported)
+    error = max((exported[name] - tensor.to(exported[name].dtype)).abs().max().item()
+                for name, tensor in trained.items())  # fmt: skip
+    print(f"{method}: final/image ({tower}) vs the trained tower's weights: {error:.1e}")
     assert error == 0.0
+
+
+def test_a_timm_resnet_with_batchnorm_trains_alike_with_its_statistics_synchronised(runs, data):
+    """timm's test_resnet under SimCLR: its BatchNorm layers become SyncBatchNorm, so 2
+    processes normalise by the global batch's statistics as 1 does; without it (the
+    control) each normalises by its own share."""
+    cell = pretrained_cell("simclr", "timm")
+    flags = [*command(cell, data)[:-1], data["timm resnet"]]  # the ViT's folder replaced
+    one = runs(1, *flags)
+    error = final_files_difference(one, runs(2, *flags))
+    control = final_files_difference(one, runs(2, *flags, "--no-sync-batchnorm"))
+    print(f"simclr on timm's test_resnet, 1 vs 2 processes: {error:.1e}; "
+          f"--no-sync-batchnorm: {control:.1e}")  # fmt: skip
+    assert error <= EXACT and control > 1e3 * EXACT
 
 
 @pytest.mark.parametrize("method", list(METHODS))

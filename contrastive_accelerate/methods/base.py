@@ -126,9 +126,9 @@ class Method:
 
 #: Every kind of source: a table, streamed shards, a mixture (``composition.SOURCES``).
 EVERY_SOURCE = ("table", "stream", "mixture")
-#: The image towers an image method's heads sit on: from scratch, or a transformers vision
-#: model (``composition.TOWERS``).
-IMAGE_METHOD_TOWERS = ("scratch", "transformers")
+#: The image towers an image method's heads sit on: from scratch, a transformers vision
+#: model or a timm model (``composition.TOWERS``).
+IMAGE_METHOD_TOWERS = ("scratch", "transformers", "timm")
 
 
 @dataclass(frozen=True)
@@ -245,16 +245,17 @@ def image_model(
     scale, a predictor's width), with global BatchNorm statistics and dropout keyed by
     sample where the options ask for them (a pretrained tower's own dropout is keyed
     where it loads: ``image_text.pretrained_image_tower``)."""
-    encoder = processor = None
-    if config.image_model:
+    encoder = export = None
+    if config.image_model or config.timm_model:
         from contrastive_accelerate.methods.image_text import pretrained_image_tower
 
         if config.image_size is None:
+            named = "--timm-model" if config.timm_model else "--image-model"
             raise TrainerError(
-                f"--image-model with --method {config.method}: give --image-size, the size "
+                f"{named} with --method {config.method}: give --image-size, the size "
                 "of the crops its tower takes"
             )
-        encoder, processor = pretrained_image_tower(config, world_size, say)
+        encoder, export = pretrained_image_tower(config, world_size, say)
     model = model_class(
         backbone=config.model,
         image_size=config.image_size,
@@ -263,7 +264,7 @@ def image_model(
         encoder=encoder,
         **heads,
     ).to(DTYPES[config.dtype])
-    model.processor = processor
+    model.export_tower = export
     scratch = encoder is None and config.model != "mlp"  # image-text's text tower may
     if config.gradient_checkpointing and scratch:  # a pretrained one is checkpointed on load
         checkpoint_image_encoder(model.encoder)

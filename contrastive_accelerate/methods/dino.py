@@ -34,7 +34,7 @@ from losses.dino import CENTER_FORMULAS, batch_center
 from models import sample_keys, sample_randomness
 from models.dino import DINOModel
 from models.momentum import EMATeacher, cosine_momentum
-from models.towers import IMAGE_TOWERS
+from models.towers import IMAGE_TOWERS, image_tower_kind
 
 
 @dataclass
@@ -225,8 +225,9 @@ def defaults(config) -> dict[str, Any]:
 
 def any_input_size(config) -> bool:
     """Whether the tower takes local crops at another size than the global ones: a row of
-    ``IMAGE_TOWERS`` that says so; not yet a pretrained one (``--image-model``)."""
-    return not config.image_model and IMAGE_TOWERS[config.model].any_input_size
+    ``IMAGE_TOWERS`` that says so; not yet a pretrained one (``--image-model``,
+    ``--timm-model``)."""
+    return image_tower_kind(config) == "scratch" and IMAGE_TOWERS[config.model].any_input_size
 
 
 def check(config) -> None:
@@ -236,8 +237,8 @@ def check(config) -> None:
             "last layer would stay frozen for the whole run"
         )
     tower = IMAGE_TOWERS[config.model]
-    if config.local_crops and config.image_model:
-        raise ConfigError("--local-crops: an --image-model tower takes one input size here yet")
+    if config.local_crops and image_tower_kind(config) != "scratch":
+        raise ConfigError("--local-crops: a pretrained tower takes one input size here yet")
     if config.local_crops and not tower.any_input_size:
         raise ConfigError(
             f"--local-crops: {config.model} takes one input size; use a resnet or a vit"

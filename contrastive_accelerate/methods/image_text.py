@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from contrastive_accelerate.config import flag
 from contrastive_accelerate.data import evaluation_images
 from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.pairs import ImageCaptions, ImageTextBatch, MixedPairs, PairData
@@ -42,6 +44,7 @@ from contrastive_accelerate.methods.pairs import (
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import SimCLR, sample_keys
+from models.checkpointing import running_statistics_kept
 from models.towers import TOWER_KINDS
 
 #: CLIP clamps its learnable logit scale at 100.
@@ -232,28 +235,49 @@ def load_vision_tower(config) -> tuple[nn.Module, Any, dict[str, str]]:
     return tower, processor, digests
 
 
-def pretrained_image_tower(config, world_size: int, say: Say) -> tuple[nn.Module, Any]:
-    """``--image-model``'s tower for an image method's heads (``load_vision_tower``), in
-    the run's dtype, its dropout keyed by sample and what its pooling never reaches
-    frozen, as image-text's; and its processor. Its crops are ``--image-size``."""
-    tower, processor, _ = load_vision_tower(config)
+def pretrained_image_tower(
+    config, world_size: int, say: Say
+) -> tuple[nn.Module, Callable[[str], None]]:
+    """``--image-model``'s tower (``load_vision_tower``) or ``--timm-model``'s
+    (``models.timm_tower``) for an image method's heads, in the run's dtype, its layers
+    checkpointed with ``--gradient-checkpointing``, its dropout keyed by sample and what
+    its pooling never reaches frozen, as image-text's; and how ``final/`` exports it in
+    its own format. Its crops are ``--image-size``."""
+    from models.timm_tower import save_timm_tower
+    from models.vision import save_vision_tower
+
+    if config.timm_model:
+        tower = TOWER_KINDS["timm"].load(
+            config.timm_model, config.timm_weights, DTYPES[config.dtype]
+        )
+        if config.gradient_checkpointing:
+            tower.encoder.set_grad_checkpointing(True)
+        export = partial(save_timm_tower, tower)
+    else:
+        tower, processor, _ = load_vision_tower(config)
+        export = partial(save_vision_tower, tower, processor)
     tower = tower.to(DTYPES[config.dtype])
-    probe = image_probe(tower, config, config.image_size)
-    tower = tower_dropout(tower.train(), probe, config, world_size, say)
-    freeze_unreached(tower, probe, say)
-    return tower, processor
+    # Two images, for a tower with BatchNorm (one value per channel cannot be normalised),
+    # whose running statistics the probes leave as they were.
+    probe = image_probe(tower, config, config.image_size, count=2)
+    with running_statistics_kept(tower):
+        tower = tower_dropout(tower.train(), probe, config, world_size, say)
+        freeze_unreached(tower, probe, say)
+    return tower, export
 
 
-def image_probe(model: nn.Module, config, size: int) -> tuple[torch.Tensor]:
-    """A black image of ``size`` that ``model`` (an ``--image-model`` tower) embeds in
+def image_probe(model: nn.Module, config, size: int, count: int = 1) -> tuple[torch.Tensor]:
+    """``count`` black images of ``size`` that ``model`` (a pretrained tower) embeds in
     eval mode, as the probe of its dropout; a size it cannot embed is one line."""
-    probe = (torch.zeros(1, 3, size, size, dtype=DTYPES[config.dtype]),)
+    probe = (torch.zeros(count, 3, size, size, dtype=DTYPES[config.dtype]),)
     try:
         with torch.no_grad():
             model.eval()(*probe)
     except (IndexError, RuntimeError, ValueError) as error:
+        named = flag("timm_model") if config.timm_model else flag("image_model")
+        tower = config.timm_model or config.image_model
         raise TrainerError(
-            f"--image-size {size}: --image-model {config.image_model!r} cannot embed it "
+            f"--image-size {size}: {named} {tower!r} cannot embed it "
             f"({str(error).strip().splitlines()[0][:160]})"
         ) from None
     return probe

@@ -1,0 +1,159 @@
+"""A timm model as an image tower (``--timm-model``): a local folder in timm's hub layout
+(``config.json`` with its ``architecture``, ``model_args`` and ``pretrained_cfg``, and
+``model.safetensors``), or an architecture name with ``--timm-weights`` (a safetensors
+file) or without (random weights). Weights are read with safetensors only: a ``.pth`` or
+``.bin`` is refused, since reading it would unpickle it. The normalisation is the
+``pretrained_cfg``'s mean and standard deviation; ``final/image/`` is written in the same
+layout, which ``timm.create_model(architecture, pretrained=True,
+pretrained_cfg_overlay={"file": "final/image/model.safetensors"}, **model_args)`` loads.
+
+``timm`` is an optional extra (``pip install -e '.[timm]'``): this module imports it
+only when a tower is loaded.
+
+    tower = load_timm_tower("path/to/convnext_folder", None, torch.float32)
+    features = tower(images)        # images normalised to [-1, 1], as the data give them
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from contrastive_accelerate.untrusted import read_json
+from models.dropout import sample_randomness
+from models.vision import DATA_MEAN, DATA_STD
+
+#: What a weights file may be: safetensors (nothing in it runs on reading).
+SAFE_WEIGHTS = ".safetensors"
+
+
+class TimmError(ValueError):
+    """A ``--timm-model`` that cannot be loaded, in one line."""
+
+
+class TimmTower(nn.Module):
+    """A timm model without its classifier (``num_classes=0``: its pooled features),
+    the data's pixels normalised as its ``pretrained_cfg`` says inside the model, as
+    ``models.vision.VisionTower`` does; ``architecture`` and ``model_args`` say how to
+    build it again (``save_timm_tower``)."""
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        architecture: str,
+        model_args: dict,
+        mean: Sequence[float] = (0.5, 0.5, 0.5),
+        std: Sequence[float] = (0.5, 0.5, 0.5),
+    ) -> None:
+        super().__init__()
+        self.encoder, self.architecture, self.model_args = encoder, architecture, model_args
+        self.mean, self.std = tuple(mean), tuple(std)
+        mean_t, std_t = torch.tensor(self.mean), torch.tensor(self.std)
+        scale, shift = DATA_STD / std_t, (DATA_MEAN - mean_t) / std_t
+        self.register_buffer("scale", scale.view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("shift", shift.view(1, -1, 1, 1), persistent=False)
+
+    @property
+    def output_dim(self) -> int:
+        return self.encoder.num_features
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if len(images) == 0:
+            # An idle rank: DDP needs every parameter in this rank's graph. One image, kept none.
+            with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
+                return self(images.new_zeros((1, *images.shape[1:])))[:0]
+        return self.encoder(images * self.scale.to(images.dtype) + self.shift.to(images.dtype))
+
+
+def load_timm_tower(name_or_path: str, weights: str | None, dtype: torch.dtype) -> TimmTower:
+    """``name_or_path``'s timm model (a hub-layout folder, or an architecture name with
+    ``weights``, a safetensors file, or none: random weights), its classifier removed, in
+    ``dtype``. Anything else is a ``TimmError`` in one line."""
+    try:
+        import timm
+    except ImportError:
+        raise TimmError("--timm-model needs timm: pip install -e '.[timm]'") from None
+    architecture, model_args, cfg = name_or_path, {}, {}
+    if os.path.isdir(name_or_path):
+        weights = _folder_weights(name_or_path, weights)
+        try:
+            config = read_json(os.path.join(name_or_path, "config.json"))
+        except (OSError, ValueError) as error:
+            raise TimmError(
+                f"--timm-model {name_or_path!r}: no readable config.json ({error})"
+            ) from None
+        architecture = config.get("architecture") if isinstance(config, dict) else None
+        if not isinstance(architecture, str):
+            raise TimmError(f"--timm-model {name_or_path!r}: config.json names no architecture")
+        model_args = {
+            k: v for k, v in (config.get("model_args") or {}).items() if k != "num_classes"
+        }
+        cfg = config.get("pretrained_cfg") or {}
+    if weights is not None and not weights.endswith(SAFE_WEIGHTS):
+        raise TimmError(
+            f"--timm-weights {weights!r}: only safetensors files are read (a .pth or .bin "
+            "would be unpickled)"
+        )
+    try:
+        encoder = timm.create_model(architecture, pretrained=False, num_classes=0, **model_args)
+    except Exception as error:  # timm raises RuntimeError, KeyError, TypeError...
+        raise TimmError(f"cannot build --timm-model {architecture!r}: {error}") from None
+    if weights is not None:
+        _load_weights(encoder, weights)
+    mean = cfg.get("mean", encoder.pretrained_cfg.get("mean", (0.5,) * 3))
+    std = cfg.get("std", encoder.pretrained_cfg.get("std", (0.5,) * 3))
+    return TimmTower(encoder, architecture, model_args, mean, std).to(dtype)
+
+
+def _folder_weights(folder: str, weights: str | None) -> str:
+    """The safetensors weights of a hub-layout folder; a folder of pickles is refused."""
+    if weights is not None:
+        raise TimmError("--timm-weights applies to an architecture name, not a folder")
+    path = os.path.join(folder, "model" + SAFE_WEIGHTS)
+    if not os.path.isfile(path):
+        pickles = [name for name in os.listdir(folder) if name.endswith((".pth", ".bin"))]
+        found = f"only {pickles[0]}, which would be unpickled" if pickles else "none"
+        raise TimmError(f"--timm-model {folder!r}: no model.safetensors ({found})")
+    return path
+
+
+def _load_weights(encoder: nn.Module, path: str) -> None:
+    """``path``'s tensors into ``encoder``, its classifier's (which the tower drops) left
+    out; a missing or unexpected tensor is refused."""
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(path)
+    except Exception as error:  # safetensors raises its own error types
+        raise TimmError(f"cannot read --timm weights {path!r}: {error}") from None
+    # The classifier's weights (timm's pretrained_cfg names its module) are the head that
+    # num_classes=0 removed.
+    classifier = (encoder.pretrained_cfg.get("classifier") or "head") + "."
+    state = {name: tensor for name, tensor in state.items() if not name.startswith(classifier)}
+    missing, unexpected = encoder.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        what = f"missing {missing[0]!r}" if missing else f"unexpected {unexpected[0]!r}"
+        raise TimmError(f"{path!r} does not fit the timm model: {what}")
+
+
+def save_timm_tower(tower: TimmTower, directory: str) -> None:
+    """``tower`` in timm's hub layout in ``directory``: ``model.safetensors`` (its classifier
+    absent) and ``config.json`` (architecture, model arguments, normalisation)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    state = {name: t.detach().contiguous() for name, t in tower.encoder.state_dict().items()}
+    save_file(state, os.path.join(directory, "model" + SAFE_WEIGHTS))
+    config = {
+        "architecture": tower.architecture,
+        "num_classes": 0,
+        "num_features": tower.output_dim,
+        "model_args": tower.model_args,
+        "pretrained_cfg": {"mean": list(tower.mean), "std": list(tower.std)},
+    }
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(config, file, indent=2)
