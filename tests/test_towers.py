@@ -86,3 +86,28 @@ def test_what_a_checkpoint_holds_is_refused_by_its_row_and_the_control(monkeypat
     kept = tuple(name for name in row.replaces if name != "text_model")
     monkeypatch.setitem(TOWER_KINDS, "clip", dataclasses.replace(row, replaces=kept))
     assert parse_args(TrainConfig, flags).text_model == "bert"
+
+
+def test_a_timm_tower_reads_safetensors_only_and_says_what_does_not_fit(tmp_path):
+    """A folder with only a pickle, a weights file that is not safetensors and weights of
+    another shape are each one line; nothing is unpickled."""
+    pytest.importorskip("timm")
+    from models.timm_tower import TimmError, load_timm_tower
+
+    from launch import make_timm_model
+
+    folder = make_timm_model(tmp_path / "vit")
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(TimmError, match="no model.safetensors .only pytorch_model.bin, which"):
+        load_timm_tower(str(folder), None, torch.float32)
+    with pytest.raises(TimmError, match="only safetensors files are read"):
+        load_timm_tower("test_vit", str(folder / "pytorch_model.bin"), torch.float32)
+    other = make_timm_model(tmp_path / "resnet", "test_resnet", dropout=0.0)
+    with pytest.raises(TimmError, match="does not fit the timm model: missing"):
+        load_timm_tower("test_vit", str(other / "model.safetensors"), torch.float32)
+    for flags, message in (
+        (["--timm-weights", "w.safetensors"], "--timm-weights applies to --timm-model"),
+        (["--timm-model", "t", "--model", "mlp"], "--model does not apply with --timm-model"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_args(TrainConfig, flags)
