@@ -318,6 +318,8 @@ class TowerKind:
     loader: str | None = None
     #: What ``final/`` holds of it, and how it is read back.
     exports: str = ""
+    #: What a method that does not train it takes instead, as its refusal says.
+    instead: str = ""
 
     def load(self, *args, **kwargs):
         """The loader's result for ``args``: the tower and its tokenizer or processor."""
@@ -343,11 +345,13 @@ TOWER_KINDS: dict[str, TowerKind] = {
                   "logit_bias_init"),
         loader="models.dual_encoder:load_dual_encoder",
         exports="final/: AutoModel.from_pretrained, both towers, tokenizer and processor",
+        instead="its vision tower alone is an --image-model (CLIPVisionModel, SiglipVisionModel)",
     ),
     "timm": TowerKind(
         "a timm model (--timm-model)", "timm_model", ("images",), reads=("timm_weights",),
         replaces=("model", "dropout", "drop_path", "image_model", "clip_model"),
         loader="models.timm_tower:load_timm_tower",
+        instead="image-text's projection on a timm tower is not there yet",
         exports="final/image/: timm.create_model(architecture, pretrained=True, "
         "pretrained_cfg_overlay={'file': .../model.safetensors}, **model_args)",
     ),

@@ -67,7 +67,10 @@ def refusal(family: Family, source: str, tower: str | None) -> str | None:
     if family.towers is None:
         return f"{family.name} takes no image tower, not {TOWERS[tower]}"
     if tower is not None and tower not in family.towers:
-        return f"{family.name} trains {_either(family.towers, TOWERS)}, not {TOWERS[tower]}"
+        instead = TOWER_KINDS[tower].instead
+        return f"{family.name} trains {_either(family.towers, TOWERS)}, not {TOWERS[tower]}" + (
+            f": {instead}" if instead else ""
+        )
     return None
 
 
