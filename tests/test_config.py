@@ -56,7 +56,8 @@ def _part_flags() -> list[list[str]]:
     lines += [[*methods[name], "--loss", loss] for name, row in METHODS.items()
               for family in row.families for loss in family.losses]  # fmt: skip
     lines += [["--model", tower] for tower in IMAGE_TOWERS]
-    lines += [[flag(kind.option), "vit", *PAIRS] for kind in TOWER_KINDS.values()
+    lines += [[flag(kind.option), "vit", *pairs] for kind in TOWER_KINDS.values()
+              for pairs in ([], PAIRS)
               if kind.option not in (None, "model")]  # --model: IMAGE_TOWERS' rows  # fmt: skip
     lines += [[*STREAMED, "--streaming"], MIXED, [*PAIRS, "--lora-rank", "4"]]
     return lines
@@ -109,6 +110,8 @@ def test_derived_defaults_are_resolved_in_one_place():
         "lora_target_modules",
         "zero_shot_template",
         "eval_dataset",
+        "timm_model",
+        "timm_weights",
         "streams",  # from the shards (find_shards)
         "mixture_weights",  # from the sources' sizes (mixture_weights)
     }
@@ -169,8 +172,10 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     # its own options (DINO's local crops a resnet or a vit): every field is in one of three files.
     vit = ("drop_path", "gradient_checkpointing", "fsdp")  # in the vit's file only
     streamed = ("streaming", *STREAMING_OPTIONS, *MIXTURE_OPTIONS)  # in files of their own
-    shared = {n: v for n, v in VALUES.items()
-              if n not in ("method", *vit, *METHOD_OPTIONS, *streamed)}  # fmt: skip
+    kinds = {kind: (row.option, *row.reads) for kind, row in TOWER_KINDS.items()
+             if row.option and row.option not in (*METHOD_OPTIONS, "model")}  # fmt: skip
+    apart = ("method", *vit, *METHOD_OPTIONS, *streamed, *sum(kinds.values(), ()))
+    shared = {n: v for n, v in VALUES.items() if n not in apart}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
     dino = {"method": "dino", **{n: VALUES[n] for n in DINO_OPTIONS}}
@@ -189,6 +194,8 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     files.append({**stream, **{name: VALUES[name] for name in ("streaming", *STREAMING_OPTIONS)}})
     mixed = {"dataset": ["one", "two"], "max_steps": 5, "columns": ["a,b", "a,b,c"]}
     files += [{**mixed, name: VALUES[name]} for name in MIXTURE_OPTIONS]
+    # Each pretrained kind of tower's options, in a file of its own.
+    files += [{name: VALUES[name] for name in names} for names in kinds.values()]
     # Each loss's own options, in a file of its own.
     files += [
         {"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in SIMCLR_LOSSES.items()
