@@ -27,6 +27,7 @@ from contrastive_accelerate.data.streams import find_shards
 from launch import (
     TrainerRuns,
     final_files_difference,
+    make_digit_parquet,
     make_digit_tar_shards,
     make_text_pair_shards,
     one_line_errors,
@@ -415,3 +416,21 @@ def test_a_stream_evaluates_on_eval_dataset_alike_on_any_number_of_processes(
     assert {"knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"} <= set(evaluated[0])
     assert evaluated[0] == evaluated[1]
     assert figures(1) == {}
+
+
+def test_an_image_method_streams_parquet_shards_of_image_bytes_alike(tmp_path):
+    """SimCLR on a folder of parquet shards whose image column holds PNG bytes (as
+    ``datasets`` writes images): 1 and 2 processes train the same model."""
+    root = tmp_path / "parquet"
+    for number, start in enumerate((0, 9, 20)):
+        make_digit_parquet(root / f"part-{number:05d}.parquet", 7 + number, start=start)
+    flags = ["--method", "simclr", "--streaming", "--dataset", str(root), "--shuffle-buffer",
+             "4", "--model", "mlp", "--dropout", "0.1", "--image-size", "8", "--dtype",
+             "float64", "--batch-size", "6", "--max-steps", "4", "--num-workers", "0",
+             "--knn-k", "0"]  # fmt: skip
+    runs = [tmp_path / f"run-{processes}" for processes in (1, 2)]
+    for processes, out in zip((1, 2), runs, strict=True):
+        train_pooled(processes, *flags, "--output-dir", str(out))
+    error = final_files_difference(*runs)
+    print(f"simclr on parquet shards of image bytes, 1 vs 2 processes: {error:.1e}")
+    assert error <= EXACT
