@@ -9,6 +9,7 @@ checkpointed model trains as the plain one does, on any number of processes.
 
     model.encoder.layer1 = checkpoint_blocks(model.encoder.layer1)    # a ResNet stage
     checkpoint_transformer_layers(bert)                               # a transformers model
+    checkpoint_timm_blocks(timm_vit)                                  # a timm model
 """
 
 from __future__ import annotations
@@ -65,6 +66,25 @@ def checkpoint_image_encoder(encoder: nn.Module, keep_statistics: bool = True) -
         raise ValueError(f"{type(encoder).__name__} has no blocks to checkpoint")
     for name in stages:
         setattr(encoder, name, checkpoint_blocks(getattr(encoder, name), keep_statistics))
+
+
+def checkpoint_timm_blocks(model: nn.Module, keep_statistics: bool = True) -> None:
+    """Checkpoint each block of a timm model, in place, as ``checkpoint_blocks`` does
+    (timm's own ``set_grad_checkpointing`` would recompute outside the forward's sample
+    keys): a ViT's ``blocks``, each stage's ``blocks`` of a ConvNeXt-like model, an
+    EfficientNet's stages, a ResNet's (``checkpoint_image_encoder``). Raises
+    ``ValueError`` for another model."""
+    if isinstance(getattr(model, "blocks", None), nn.Sequential):
+        model.blocks = checkpoint_blocks(model.blocks, keep_statistics)
+        return
+    stages = getattr(model, "stages", None)
+    if isinstance(stages, nn.Sequential) and all(
+        isinstance(getattr(stage, "blocks", None), nn.Sequential) for stage in stages
+    ):
+        for stage in stages:
+            stage.blocks = checkpoint_blocks(stage.blocks, keep_statistics)
+        return
+    checkpoint_image_encoder(model, keep_statistics)
 
 
 def checkpoint_transformer_layers(encoder: nn.Module) -> None:

@@ -179,3 +179,37 @@ def test_under_bf16_autocast_the_recompute_draws_the_same_masks():
     error = max((found[name] - expected[name]).abs().max().item() for name in expected)
     print(f"bert under bf16 autocast: checkpointed vs plain gradients {error:.1e}")
     assert calls == 2 and error <= EXACT
+
+
+def test_a_timm_vit_recomputes_each_block_with_the_same_masks():
+    """``checkpoint_timm_blocks`` on a timm ViT whose blocks hold dropout: the recompute
+    draws the forward's per-sample masks (timm's own checkpointing would run it outside
+    the keys), so the gradients are the plain ones and each block runs twice."""
+    timm = pytest.importorskip("timm")
+    from models.checkpointing import checkpoint_timm_blocks
+
+    torch.manual_seed(0)
+    sizes = {"img_size": 8, "patch_size": 4, "depth": 2, "embed_dim": 16, "num_heads": 2}
+    plain = timm.create_model("vit_tiny_patch16_224", proj_drop_rate=0.1, num_classes=0, **sizes)
+    plain = convert_sample_dropout(plain).double().train()
+    checkpointed = copy.deepcopy(plain)
+    checkpoint_timm_blocks(checkpointed)
+    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(2)).double()
+    gradients, calls = [], []
+    for model in (plain, checkpointed):
+        hook = model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        with sample_randomness(sample_keys(0, 1, torch.arange(4))):
+            model(images).pow(2).sum().backward()
+        hook.remove()
+        gradients.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    error = max((gradients[1][n] - gradients[0][n]).abs().max().item() for n in gradients[0])
+    print(f"timm vit: checkpointed vs plain gradients {error:.1e}, first block ran {len(calls)}x")
+    assert len(calls) == 3  # once plain, twice checkpointed
+    assert error <= EXACT
+    # The control: timm's own checkpointing recomputes outside the keys.
+    timms = copy.deepcopy(plain)
+    timms.set_grad_checkpointing(True)
+    with sample_randomness(sample_keys(0, 1, torch.arange(4))):
+        output = timms(images).pow(2).sum()
+    with pytest.raises(RuntimeError, match="SampleDropout needs each row's key"):
+        output.backward()

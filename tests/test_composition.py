@@ -88,7 +88,8 @@ def data(tmp_path_factory, image_folder, sentence_pairs, captioned_images, tiny_
         "text shards": str(make_text_pair_shards(root / "text", [7, 11, 5])),
         "image shards": str(make_digit_tar_shards(root / "tar", [7, 11, 5])),
         "image parquet": str(make_digit_parquet(root / "digits.parquet", 13, start=40)),
-        "timm": str(make_timm_model(root / "timm")),
+        "timm": str(make_timm_model(root / "timm", img_size=8, patch_size=4, depth=2,
+                                    embed_dim=16, num_heads=2, proj_drop_rate=0.1)),
         "timm resnet": str(make_timm_model(root / "resnet", "test_resnet", dropout=0.0)),
     }  # fmt: skip
 
@@ -395,3 +396,18 @@ def test_a_toy_method_of_one_module_and_one_row_is_checked_refused_and_trained(
     error = final_files_difference(runs[1], runs[2])
     print(f"the toy method, 1 vs 2 processes: {error:.1e}")
     assert error <= EXACT
+
+
+@pytest.mark.parametrize("tower", ["transformers", "timm"])
+def test_a_checkpointed_pretrained_tower_trains_the_plain_ones_model(runs, data, tower):
+    """``--gradient-checkpointing`` on SimCLR's pretrained tower (transformers' layers,
+    timm's ``set_grad_checkpointing``): the recompute draws the forward's dropout masks,
+    so checkpointed equals plain on 1 process and 1 equals 2 processes."""
+    flags = command(pretrained_cell("simclr", tower), data)
+    plain = runs(1, *flags)
+    checkpointed = runs(1, *flags, "--gradient-checkpointing")
+    against_plain = final_files_difference(plain, checkpointed)
+    two = final_files_difference(checkpointed, runs(2, *flags, "--gradient-checkpointing"))
+    print(f"simclr on a {tower} ViT, checkpointed vs plain: {against_plain:.1e}; "
+          f"checkpointed 1 vs 2 processes: {two:.1e}")  # fmt: skip
+    assert against_plain <= EXACT and two <= EXACT

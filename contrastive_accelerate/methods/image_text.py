@@ -44,7 +44,7 @@ from contrastive_accelerate.methods.pairs import (
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import SimCLR, sample_keys
-from models.checkpointing import running_statistics_kept
+from models.checkpointing import checkpoint_timm_blocks, running_statistics_kept
 from models.towers import TOWER_KINDS
 
 #: CLIP clamps its learnable logit scale at 100.
@@ -251,7 +251,7 @@ def pretrained_image_tower(
             config.timm_model, config.timm_weights, DTYPES[config.dtype]
         )
         if config.gradient_checkpointing:
-            tower.encoder.set_grad_checkpointing(True)
+            checkpoint_timm_blocks(tower.encoder)
         export = partial(save_timm_tower, tower)
     else:
         tower, processor, _ = load_vision_tower(config)
