@@ -33,8 +33,8 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
     encoder: nn.Module
     projection_head: nn.Module
     #: How a pretrained tower is saved in its own format (``--image-model``'s,
-    #: ``--timm-model``'s): ``export_tower(directory)``; None: a tower from scratch.
-    export_tower: Callable[[str], None] | None = None
+    #: ``--timm-model``'s): ``export_tower(encoder, directory)``; None: a tower from scratch.
+    export_tower: Callable[[nn.Module, str], None] | None = None
 
     def add_tower(
         self,
@@ -73,7 +73,7 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
             if self.export_tower is None:
                 self.save_pretrained(directory)
             else:
-                self.export_tower(os.path.join(directory, "image"))
+                self.export_tower(self.encoder, os.path.join(directory, "image"))
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """Encoder features: what downstream tasks and the kNN evaluation use."""

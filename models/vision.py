@@ -139,7 +139,7 @@ class PretrainedImageModel(nn.Module):
     def save_pretrained(self, directory: str, adapter_directory: str | None = None) -> None:
         """The encoder and processor in ``directory``; an adapted encoder merged there and
         its adapter in ``adapter_directory``."""
-        save_vision_tower(self.encoder, self.processor, directory, adapter_directory)
+        save_vision_tower(self.encoder, directory, adapter_directory, processor=self.processor)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.encoder(images)
@@ -149,7 +149,7 @@ class PretrainedImageModel(nn.Module):
 
 
 def save_vision_tower(
-    tower: VisionTower, processor, directory: str, adapter_directory: str | None = None
+    tower: VisionTower, directory: str, adapter_directory: str | None = None, *, processor=None
 ) -> None:
     """``tower``'s encoder and ``processor`` in ``directory``, where ``AutoModel`` and
     ``AutoImageProcessor`` load them; an adapted encoder merged there and its adapter in

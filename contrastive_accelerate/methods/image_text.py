@@ -237,12 +237,12 @@ def load_vision_tower(config) -> tuple[nn.Module, Any, dict[str, str]]:
 
 def pretrained_image_tower(
     config, world_size: int, say: Say
-) -> tuple[nn.Module, Callable[[str], None]]:
+) -> tuple[nn.Module, Callable[[nn.Module, str], None]]:
     """``--image-model``'s tower (``load_vision_tower``) or ``--timm-model``'s
     (``models.timm_tower``) for an image method's heads, in the run's dtype, its layers
     checkpointed with ``--gradient-checkpointing``, its dropout keyed by sample and what
     its pooling never reaches frozen, as image-text's; and how ``final/`` exports it in
-    its own format. Its crops are ``--image-size``."""
+    its own format (``export(tower, directory)``). Its crops are ``--image-size``."""
     from models.timm_tower import save_timm_tower
     from models.vision import save_vision_tower
 
@@ -252,10 +252,10 @@ def pretrained_image_tower(
         )
         if config.gradient_checkpointing:
             checkpoint_timm_blocks(tower.encoder)
-        export = partial(save_timm_tower, tower)
+        export = save_timm_tower
     else:
         tower, processor, _ = load_vision_tower(config)
-        export = partial(save_vision_tower, tower, processor)
+        export = partial(save_vision_tower, processor=processor)
     tower = tower.to(DTYPES[config.dtype])
     # Two images, for a tower with BatchNorm (one value per channel cannot be normalised),
     # whose running statistics the probes leave as they were.
