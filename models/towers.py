@@ -18,10 +18,13 @@ tower starts from random weights: nothing downloads.
 
 Adding a tower from scratch, a checklist: its builder and one row of ``IMAGE_TOWERS``;
 its tests grow from the table (``tests/test_towers.py`` builds every row and checks
-what it says). Adding a kind of tower: its loader in a module of its own (as
-``models.vision``), one row of ``TOWER_KINDS`` and its options in a section here (as
-``PretrainedTowerOptions``); the families that train it name it, and
-``tests/test_composition.py`` trains or refuses every method on it.
+what it says). Adding a kind of tower (as timm was): its loader in a module of its own
+(``models.timm_tower``), one row of ``TOWER_KINDS`` and its options in
+``PretrainedTowerOptions``, its branch where a method loads a pretrained tower
+(``methods.image_text.pretrained_image_tower``), its name in the families that train
+it (``methods.base.IMAGE_METHOD_TOWERS``); then ``tests/test_composition.py`` trains or
+refuses every method on it, and fails until its command line has the kind's flags (a
+tiny one made by ``tests/launch.py``).
 
 Example::
 
@@ -211,8 +214,8 @@ def _loaded(*args) -> tuple[nn.Module, int]:
     raise ValueError("a pretrained tower is loaded (models.vision), not built")
 
 
-#: What the heads ask of a pretrained tower (``--image-model``, ``models.vision.VisionTower``):
-#: no BatchNorm, a normalised output, one input size.
+#: What the heads ask of a pretrained tower (``models.vision.VisionTower``,
+#: ``models.timm_tower.TimmTower``): no BatchNorm, a normalised output, one input size.
 PRETRAINED_TOWER = ImageTower(_loaded, (), batch_norm=False, any_input_size=False)
 
 #: What only the towers read; each tower reads its row's ``options``.
