@@ -447,7 +447,9 @@ def resume(
     gives each option's rule (``contrastive_accelerate.config``): a changed "apply"
     option is applied, a changed "refuse" option is an error, as is another training set.
     ``resolve`` fills the derived defaults of the saved options as this version does
-    (an older checkpoint may have left one at None). An option whose loaded content
+    (an older checkpoint may have left one at None), and the defaults of the options it
+    does not hold (added since: its run had them at their default, and a run that sets
+    one is refused). An option whose loaded content
     both runs digested (``RunState.inputs``) is compared by content, not by its value:
     the same model by another path continues, a tokenizer changed in place does not.
     """
@@ -467,8 +469,9 @@ def resume(
                 for part, digest in checkpoint.inputs[name].items()
                 if state.inputs[name].get(part) != digest
             ]
-        elif name not in checkpoint.config:
-            refused.append(f"{flag(name)} (not in the checkpoint)")
+        elif name not in checkpoint.config:  # an option added since: the run it saved had
+            if saved[name] != state.config[name]:  # its default, which ``resolve`` fills in
+                refused.append(f"{flag(name)} (not in the checkpoint)")
         elif saved[name] != state.config[name]:
             entry = f"{flag(name)} {saved[name]!r} -> {state.config[name]!r}"
             (changed if rule == "apply" else refused).append(entry)

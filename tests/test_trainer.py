@@ -336,3 +336,25 @@ def test_train_step_alone_gives_the_same_step_in_any_number_of_chunks():
     print(f"train_step in 4 chunks against 1: {chunked:.1e}; another lr: {control:.1e}")
     assert chunked <= 1e-12  # float64 summation order over the chunks
     assert control > 1e-6
+
+
+def test_a_checkpoint_without_an_option_added_since_resumes_at_its_default(tmp_path):
+    """A checkpoint of a version that had no such option (its saved options lack it) ran
+    with the option's default: a resume at the default continues it exactly, one that
+    sets the option is refused in one line (the control)."""
+    args = ["--model", "mlp", "--max-steps", "3", "--batch-size", "16", "--save-every", "2",
+            "--knn-k", "0", "--num-workers", "0"]  # fmt: skip
+    straight = tmp_path / "straight"
+    train_pooled(1, *args, "--output-dir", str(straight))
+    state = straight / "checkpoint-2" / "trainer_state.json"
+    saved = json.loads(state.read_text())
+    del saved["config"]["seed"]  # as a version before --seed saved it
+    state.write_text(json.dumps(saved))
+    resume = ["--resume-from", str(straight / "checkpoint-2")]
+    train_pooled(1, *args, *resume, "--output-dir", str(tmp_path / "resumed"))
+    diff = max_abs_diff(str(straight / "final"), str(tmp_path / "resumed" / "final"))
+    print(f"resumed from a checkpoint without --seed, at its default: {diff:.1e}")
+    assert diff == 0.0
+    refused = train_pooled(1, *args, *resume, "--seed", "1", "--output-dir",
+                           str(tmp_path / "refused"), check=False)  # fmt: skip
+    one_line_errors(refused, "--seed (not in the checkpoint)", 1)
