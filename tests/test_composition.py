@@ -203,6 +203,16 @@ def test_control_per_process_dropout_masks_break_it(runs, data, method):
     assert error > 1e3 * EXACT
 
 
+def resumed_difference(straight: Path, processes: int, flags, resumed: Path) -> float:
+    """``straight``'s checkpoint of step 2 resumed on ``processes`` into ``resumed``: the
+    largest difference of its final files from the straight run's."""
+    train_pooled(
+        processes, *COMMON, *flags, "--output-dir", str(resumed),
+        "--resume-from", str(straight / "checkpoint-2"),
+    )  # fmt: skip
+    return final_files_difference(straight, resumed)
+
+
 def test_control_per_rank_shards_break_an_image_methods_stream(runs, data):
     """webdataset's split_by_node (``--stream-split per-rank``): each rank reads its own
     shards, so 2 processes see other global batches than 1 and train another model."""
@@ -219,13 +229,7 @@ def test_a_mid_stream_checkpoint_of_two_processes_resumes_on_three(runs, data, m
     on 3, gives the straight run's model."""
     cell = next(c for c in TRAINED if c.method == method and c.source == "stream")
     flags = command(cell, data)
-    straight = runs(2, *flags)
-    resumed: Path = tmp_path / "resumed"
-    train_pooled(
-        3, *COMMON, *flags, "--output-dir", str(resumed),
-        "--resume-from", str(straight / "checkpoint-2"),
-    )  # fmt: skip
-    error = final_files_difference(straight, resumed)
+    error = resumed_difference(runs(2, *flags), 3, flags, tmp_path / "resumed")
     print(f"{method} on a stream, resumed mid-stream from 2 processes on 3: {error:.1e}")
     assert error <= EXACT
 
@@ -304,13 +308,7 @@ def test_a_timm_resnet_with_batchnorm_trains_alike_with_its_statistics_synchroni
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one(runs, data, method, tmp_path):
     flags = command(TABLE_CELLS[method], data)
-    straight = runs(2, *flags)
-    resumed: Path = tmp_path / "resumed"
-    train_pooled(
-        1, *COMMON, *flags, "--output-dir", str(resumed),
-        "--resume-from", str(straight / "checkpoint-2"),
-    )  # fmt: skip
-    error = final_files_difference(straight, resumed)
+    error = resumed_difference(runs(2, *flags), 1, flags, tmp_path / "resumed")
     print(f"{method}, resumed at step 2 on 1 process vs 2 straight: {error:.1e}")
     assert error <= EXACT
 

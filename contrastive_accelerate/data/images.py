@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from contrastive_accelerate.data.mixture import Mixture, mixture_weights, source_labels
+from contrastive_accelerate.data.mixture import MixedSources, Mixture
 from contrastive_accelerate.data.sources import (
     IMAGE_COLUMNS,
     DataError,
@@ -24,7 +24,7 @@ from contrastive_accelerate.data.sources import (
     is_table,
     load_image_dataset,
 )
-from contrastive_accelerate.data.streams import ShardStreams, find_shards
+from contrastive_accelerate.data.streams import find_shards
 
 #: What a stream evaluates on: nothing, it has no held-out rows.
 STREAM_EVALUATION = "evaluation: off (a stream has no held-out rows)"
@@ -57,20 +57,11 @@ def load_streamed_images(
 
 
 @dataclass
-class MixedImages:
-    """A mixture's sources of images (each an ``ImageData``: a table or a stream), their
-    names and weights (None: round-robin), as ``data.mixture.Mixture`` draws from them."""
+class MixedImages(MixedSources):
+    """A mixture's sources of images (each an ``ImageData``: a table or a stream, with
+    its own image column)."""
 
-    sources: list[ImageData]
-    names: list[str]
-    weights: list[float] | None
-    evaluation = None
-    label_column = None
     evaluation_source: str = "evaluation: off (a mixture has no held-out rows)"
-
-    @property
-    def train(self) -> tuple:
-        return tuple(source.train for source in self.sources)
 
     @property
     def image_column(self) -> str:
@@ -93,11 +84,7 @@ def load_image_mixture(
                                                 shuffle_buffer=shuffle_buffer))  # fmt: skip
         else:
             sources.append(load_image_dataset(name, image_column=image_column, evaluate=False))
-    labels = source_labels(names)
-    if mixture == "round-robin":
-        return MixedImages(sources, labels, None)
-    sizes = [None if isinstance(data.train, ShardStreams) else len(data.train) for data in sources]
-    return MixedImages(sources, labels, mixture_weights(sizes, weights, temperature))
+    return MixedImages.of(sources, names, mixture, weights, temperature)
 
 
 def per_source(data: ImageData | MixedImages, dataset: Callable[[Any, str], Any]) -> Any:

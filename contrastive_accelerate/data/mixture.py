@@ -38,7 +38,7 @@ from contrastive_accelerate.data.sampler import (
     derive_seed,
 )
 from contrastive_accelerate.data.sources import DataError
-from contrastive_accelerate.data.streams import stream_batches, worker_share
+from contrastive_accelerate.data.streams import ShardStreams, stream_batches, worker_share
 
 
 @dataclass
@@ -88,6 +88,36 @@ class Mixture:
         counts = collections.Counter(self.source_of(step, seed) for step in range(first, steps))
         return [counts[source] + (counted[source] if counted else 0)
                 for source in range(len(self.datasets))]  # fmt: skip
+
+
+@dataclass
+class MixedSources:
+    """A mixture's sources (each a loaded table or stream, all of one kind), their
+    names and weights (None: round-robin), as ``Mixture`` draws from them; a mixture
+    has no held-out rows. ``data.pairs.MixedPairs`` and ``data.images.MixedImages`` add
+    what their kind's sources hold."""
+
+    sources: list
+    names: list[str]
+    weights: list[float] | None
+    evaluation = None
+    label_column = None
+
+    @property
+    def train(self) -> tuple:
+        return tuple(source.train for source in self.sources)
+
+    @classmethod
+    def of(
+        cls, sources: list, names: Sequence[str], mixture: str,
+        weights: Sequence[float] | None, temperature: float,
+    ):  # fmt: skip
+        """``sources``, loaded from ``names``, mixed "round-robin" or "proportional" to
+        ``weights`` or to the tables' rows (``mixture_weights``; a stream has none)."""
+        if mixture == "round-robin":
+            return cls(sources, source_labels(names), None)
+        sizes = [None if isinstance(s.train, ShardStreams) else len(s.train) for s in sources]
+        return cls(sources, source_labels(names), mixture_weights(sizes, weights, temperature))
 
 
 def source_labels(names: Sequence[str]) -> list[str]:

@@ -19,6 +19,7 @@ import torch
 
 from contrastive_accelerate.data.augmentation import SampleImages, view_augmentation
 from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage
+from contrastive_accelerate.data.mixture import MixedSources
 from contrastive_accelerate.data.sampler import derive_seed
 from contrastive_accelerate.data.sources import (
     DataError,
@@ -157,20 +158,11 @@ def load_streamed_pairs(
 
 
 @dataclass
-class MixedPairs:
-    """A mixture's sources (text pairs, each ``PairData`` with its own columns), their
-    names and weights (None: round-robin): what ``data.mixture.Mixture`` draws from."""
+class MixedPairs(MixedSources):
+    """A mixture's sources of pairs (each ``PairData`` with its own columns; all text
+    pairs or all image-text)."""
 
-    sources: list[PairData]
-    names: list[str]
-    weights: list[float] | None
-    label_column = None
-    evaluation = None
     evaluation_source: str = "retrieval evaluation: off (a mixture has no held-out rows)"
-
-    @property
-    def train(self) -> tuple:
-        return tuple(source.train for source in self.sources)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -202,8 +194,6 @@ def load_mixture(
     (``load_streamed_pairs``) unless it is a table (a data file or a ``save_to_disk``
     directory), else a table; all text pairs or all image-text. ``mixture`` "round-robin"
     or "proportional" to ``weights`` or to the tables' rows (``mixture_weights``)."""
-    from contrastive_accelerate.data.mixture import mixture_weights, source_labels
-
     sources = []
     for name, source_columns in zip(names, columns, strict=True):
         if streaming and not is_table(name):
@@ -218,11 +208,7 @@ def load_mixture(
             f"a mixture is all text pairs or all image-text: --dataset {with_images[0]!r} has "
             f"images, {without!r} none"
         )
-    labels = source_labels(names)
-    if mixture == "round-robin":
-        return MixedPairs(sources, labels, None)
-    sizes = [None if data.streamed else len(data.train) for data in sources]
-    return MixedPairs(sources, labels, mixture_weights(sizes, weights, temperature))
+    return MixedPairs.of(sources, names, mixture, weights, temperature)
 
 
 def row_problem(
