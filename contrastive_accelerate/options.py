@@ -47,6 +47,7 @@ from contrastive_accelerate.methods import (
 )
 from contrastive_accelerate.methods.loss_table import LossOptions
 from contrastive_accelerate.optim import OPTIMIZERS
+from models.lora import LoRAOptions
 from models.towers import IMAGE_TOWERS, PretrainedTowerOptions, TowerOptions
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
@@ -59,12 +60,13 @@ MIXTURE_OPTIONS = field_names(MixtureOptions)
 #: Every part's section of options, each once: the sources' (``TableOptions`` in
 #: ``data.sources``, ``StreamOptions`` in ``data.streams``, ``MixtureOptions`` in
 #: ``data.mixture``), the images' (``ImageOptions`` in ``data.augmentation``), the
-#: towers' (``TowerOptions``, ``PretrainedTowerOptions`` in ``models.towers``), the
+#: towers' (``TowerOptions``, ``PretrainedTowerOptions`` in ``models.towers``,
+#: ``LoRAOptions`` in ``models.lora``), the
 #: losses' (``LossOptions`` in ``methods.loss_table``) and each method's (its row's
 #: ``sections``, in its module). ``TrainConfig`` holds them all.
 SECTIONS = tuple(dict.fromkeys((
     TableOptions, StreamOptions, MixtureOptions, ImageOptions, TowerOptions,
-    PretrainedTowerOptions, LossOptions,
+    PretrainedTowerOptions, LoRAOptions, LossOptions,
     *(section for row in METHODS.values() for section in row.sections),
 )))  # fmt: skip
 

@@ -35,6 +35,9 @@ class ImageModel(nn.Module, PyTorchModelHubMixin):
     #: How a pretrained tower is saved in its own format (``--image-model``'s,
     #: ``--timm-model``'s): ``export_tower(encoder, directory)``; None: a tower from scratch.
     export_tower: Callable[[nn.Module, str], None] | None = None
+    #: What a pretrained tower loaded, as content digests by option (a resume compares
+    #: them: ``contrastive_accelerate.checkpoint``); empty for a tower from scratch.
+    inputs: dict[str, dict[str, str]] = {}  # noqa: RUF012 - replaced, never mutated
 
     def add_tower(
         self,

@@ -1,5 +1,6 @@
 """LoRA adapters (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
-on a ``transformers`` tower, through ``peft``: each adapted linear layer computes
+on a pretrained tower (a ``transformers`` model, a timm model), through ``peft``: each
+adapted linear layer computes
 
     h = W x + (alpha / r) * B A dropout(x),        A: r x d_in,  B: d_out x r,  B = 0 at start
 
@@ -17,14 +18,49 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
+from contrastive_accelerate.config import ConfigError, field_names, flag, is_set, option
 from models.loading import save_without_code
 
 #: The query and value projections, which the LoRA paper adapts, under the names of
-#: BERT-style (``query``, ``value``) and CLIP-, SigLIP- and ViT-style attention.
-DEFAULT_TARGETS = ("query", "value", "q_proj", "v_proj")
+#: BERT-style (``query``, ``value``) and CLIP-, SigLIP- and ViT-style attention, and
+#: timm's fused query-key-value projection (``qkv``), which holds them.
+DEFAULT_TARGETS = ("query", "value", "q_proj", "v_proj", "qkv")
+
+
+@dataclass
+class LoRAOptions:
+    """LoRA adapters on the pretrained towers (``--image-model``, ``--timm-model``,
+    ``--clip-model``, ``--text-model``), a section of ``TrainConfig``."""
+
+    lora_rank: int = option(
+        0, "LoRA adapters of this rank on the pretrained towers; 0: train every weight",
+        at_least=0,
+    )  # fmt: skip
+    lora_alpha: float = option(8.0, "LoRA: scale alpha (adapters add alpha / rank * BA)", above=0.0)
+    lora_dropout: float = option(
+        0.0, "LoRA: dropout of the adapters' input", at_least=0.0, below=1.0
+    )
+    lora_target_modules: str | None = option(
+        None, "LoRA: linear layers to adapt, e.g. query,value; none: the query and value ones"
+    )
+
+
+def check_lora_options(config, pretrained: bool) -> None:
+    """Refuse LoRA's options without ``--lora-rank``, and adapters where no tower is
+    ``pretrained`` (a tower from scratch trains every weight)."""
+    if not config.lora_rank:
+        for name in field_names(LoRAOptions)[1:]:
+            if is_set(config, name):
+                raise ConfigError(f"{flag(name)} applies with --lora-rank")
+    elif not pretrained:
+        raise ConfigError(
+            "--lora-rank adapts a pretrained tower (--image-model, --timm-model, --clip-model, "
+            "--text-model); a tower from scratch trains every weight"
+        )
 
 
 class LoraError(ValueError):

@@ -315,7 +315,8 @@ class ImageTextModel(ImageTextProjections, nn.Module):
                 self.image.save_pretrained(
                     os.path.join(directory, IMAGE_DIR), os.path.join(directory, adapter)
                 )
-            described["image"] = {"path": IMAGE_DIR, "pooling": self.image.encoder.pooling,
+            described["image"] = {"path": IMAGE_DIR,
+                                  "pooling": getattr(self.image.encoder, "pooling", None),
                                   "projection": self.image.projection.out_features,
                                   "adapter": adapter if is_adapted(self.image.encoder.encoder)
                                   else None}  # fmt: skip

@@ -16,6 +16,7 @@ only when a tower is loaded.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from torch import nn
 
 from contrastive_accelerate.untrusted import read_json
 from models.dropout import sample_randomness
+from models.lora import is_adapted
 from models.vision import DATA_MEAN, DATA_STD
 
 #: What a weights file may be: safetensors (nothing in it runs on reading).
@@ -61,6 +63,16 @@ class TimmTower(nn.Module):
     def output_dim(self) -> int:
         return self.encoder.num_features
 
+    @property
+    def image_size(self) -> int:
+        """The size it was built for: its ``img_size`` argument (a ViT's), else its
+        ``pretrained_cfg``'s ``input_size``, else 224."""
+        if "img_size" in self.model_args:
+            size = self.model_args["img_size"]
+            return int(size if isinstance(size, int) else size[-1])
+        model = self.encoder.get_base_model() if is_adapted(self.encoder) else self.encoder
+        return int(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224))[-1])
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if len(images) == 0:
             # An idle rank: DDP needs every parameter in this rank's graph. One image, kept none.
@@ -69,10 +81,14 @@ class TimmTower(nn.Module):
         return self.encoder(images * self.scale.to(images.dtype) + self.shift.to(images.dtype))
 
 
-def load_timm_tower(name_or_path: str, weights: str | None, dtype: torch.dtype) -> TimmTower:
+def load_timm_tower(
+    name_or_path: str, weights: str | None, dtype: torch.dtype, *, other_sizes: bool = False
+) -> TimmTower:
     """``name_or_path``'s timm model (a hub-layout folder, or an architecture name with
     ``weights``, a safetensors file, or none: random weights), its classifier removed, in
-    ``dtype``. Anything else is a ``TimmError`` in one line."""
+    ``dtype``; with ``other_sizes`` a ViT-like model built to take inputs of any size (its
+    position embeddings interpolated: timm's ``dynamic_img_size``), for DINO's local
+    crops. Anything else is a ``TimmError`` in one line."""
     try:
         import timm
     except ImportError:
@@ -98,15 +114,25 @@ def load_timm_tower(name_or_path: str, weights: str | None, dtype: torch.dtype) 
             f"--timm-weights {weights!r}: only safetensors files are read (a .pth or .bin "
             "would be unpickled)"
         )
-    try:
-        encoder = timm.create_model(architecture, pretrained=False, num_classes=0, **model_args)
-    except Exception as error:  # timm raises RuntimeError, KeyError, TypeError...
-        raise TimmError(f"cannot build --timm-model {architecture!r}: {error}") from None
+    encoder = _build(timm, architecture, model_args)
+    if other_sizes and getattr(encoder, "dynamic_img_size", True) is False:
+        # Only the models that have the argument take it; the others (convolutional
+        # networks) take any size already.
+        model_args = {**model_args, "dynamic_img_size": True}
+        encoder = _build(timm, architecture, model_args)
     if weights is not None:
         _load_weights(encoder, weights)
     mean = cfg.get("mean", encoder.pretrained_cfg.get("mean", (0.5,) * 3))
     std = cfg.get("std", encoder.pretrained_cfg.get("std", (0.5,) * 3))
     return TimmTower(encoder, architecture, model_args, mean, std).to(dtype)
+
+
+def _build(timm, architecture: str, model_args: dict) -> nn.Module:
+    """timm's ``architecture`` with ``model_args``, random weights, no classifier."""
+    try:
+        return timm.create_model(architecture, pretrained=False, num_classes=0, **model_args)
+    except Exception as error:  # timm raises RuntimeError, KeyError, TypeError...
+        raise TimmError(f"cannot build --timm-model {architecture!r}: {error}") from None
 
 
 def _folder_weights(folder: str, weights: str | None) -> str:
@@ -140,13 +166,21 @@ def _load_weights(encoder: nn.Module, path: str) -> None:
         raise TimmError(f"{path!r} does not fit the timm model: {what}")
 
 
-def save_timm_tower(tower: TimmTower, directory: str) -> None:
+def save_timm_tower(tower: TimmTower, directory: str, adapter_directory: str | None = None) -> None:
     """``tower`` in timm's hub layout in ``directory``: ``model.safetensors`` (its classifier
-    absent) and ``config.json`` (architecture, model arguments, normalisation)."""
+    absent) and ``config.json`` (architecture, model arguments, normalisation). An adapted
+    tower (``models.lora``) is merged there (``W + (alpha / r) B A``), and its adapter
+    written in ``adapter_directory`` (none: ``directory`` + "_adapter") for
+    ``PeftModel.from_pretrained(timm.create_model(...), adapter_directory)``."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    state = {name: t.detach().contiguous() for name, t in tower.encoder.state_dict().items()}
+    encoder = tower.encoder
+    if is_adapted(encoder):
+        encoder.save_pretrained(adapter_directory or directory + "_adapter",
+                                safe_serialization=True)  # fmt: skip
+        encoder = copy.deepcopy(encoder).merge_and_unload()
+    state = {name: t.detach().contiguous() for name, t in encoder.state_dict().items()}
     save_file(state, os.path.join(directory, "model" + SAFE_WEIGHTS))
     config = {
         "architecture": tower.architecture,

@@ -354,7 +354,6 @@ TOWER_KINDS: dict[str, TowerKind] = {
         "a timm model (--timm-model)", "timm_model", ("images",), reads=("timm_weights",),
         replaces=("model", "dropout", "drop_path", "image_model", "clip_model"),
         loader="models.timm_tower:load_timm_tower",
-        instead="image-text's projection on a timm tower is not there yet",
         exports="final/image/: timm.create_model(architecture, pretrained=True, "
         "pretrained_cfg_overlay={'file': .../model.safetensors}, **model_args)",
     ),

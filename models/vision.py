@@ -12,7 +12,7 @@ tower is loaded.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -73,7 +73,9 @@ def processor_image_size(processor) -> int:
 class VisionTower(nn.Module):
     """A ``transformers`` vision encoder on images normalised as the data give them
     (``[-1, 1]``): ``forward`` moves them to the processor's ``image_mean`` and
-    ``image_std``, runs the encoder, and pools its tokens (``IMAGE_POOLINGS``).
+    ``image_std``, runs the encoder, and pools its tokens (``IMAGE_POOLINGS``). A model
+    with position embeddings interpolates them to the images' size (``transformers``'
+    ``interpolate_pos_encoding``), so it embeds crops of other sizes (DINO's local ones).
 
     The normalisation is an affine map inside the model, so the data pipeline, its
     per-sample augmentation and the evaluation images stay those of every tower.
@@ -90,6 +92,11 @@ class VisionTower(nn.Module):
         if pooling not in IMAGE_POOLINGS:
             raise ValueError(f"pooling must be one of {IMAGE_POOLINGS}, got {pooling!r}")
         self.encoder, self.pooling = encoder, pooling
+        # A ViT-like model interpolates its position embeddings to other input sizes (DINO's
+        # local crops) when asked; at its own size the interpolation returns them as they are.
+        model = encoder.get_base_model() if is_adapted(encoder) else encoder
+        arguments = inspect.signature(model.forward).parameters
+        self.interpolates = "interpolate_pos_encoding" in arguments
         mean, std = torch.tensor(image_mean), torch.tensor(image_std)
         # x_model = (x01 - mean) / std with x01 = x * DATA_STD + DATA_MEAN, as one affine map
         # (not saved: the processor holds it).
@@ -108,7 +115,8 @@ class VisionTower(nn.Module):
             with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
                 return self(images.new_zeros((1, *images.shape[1:])))[:0]
         pixels = images * self.scale.to(images.dtype) + self.shift.to(images.dtype)
-        output = self.encoder(pixel_values=pixels)
+        extra = {"interpolate_pos_encoding": True} if self.interpolates else {}
+        output = self.encoder(pixel_values=pixels, **extra)
         if self.pooling == "pooled":
             if getattr(output, "pooler_output", None) is None:
                 raise VisionError(
@@ -125,21 +133,22 @@ class VisionTower(nn.Module):
 
 
 class PretrainedImageModel(nn.Module):
-    """A vision tower and CLIP's linear projection (no bias) into the shared width: the
-    image side of ``ImageTextModel``. ``embed`` gives the tower's features;
-    ``save_pretrained`` writes the encoder and its processor where ``AutoModel`` and
-    ``AutoImageProcessor`` load them."""
+    """A pretrained vision tower (``VisionTower``, ``models.timm_tower.TimmTower``) and
+    CLIP's linear projection (no bias) into the shared width: the image side of
+    ``ImageTextModel``. ``embed`` gives the tower's features; ``save_pretrained`` writes
+    the tower in its own format through ``export`` (``save_vision_tower`` with its
+    processor, ``save_timm_tower``)."""
 
-    def __init__(self, tower: VisionTower, projection_dim: int, processor=None) -> None:
+    def __init__(self, tower: nn.Module, projection_dim: int, export: Callable[..., None]) -> None:
         super().__init__()
         self.encoder = tower
         self.projection = nn.Linear(tower.output_dim, projection_dim, bias=False)
-        self.processor = processor  # saved beside the encoder, not trained
+        self.export = export
 
     def save_pretrained(self, directory: str, adapter_directory: str | None = None) -> None:
-        """The encoder and processor in ``directory``; an adapted encoder merged there and
-        its adapter in ``adapter_directory``."""
-        save_vision_tower(self.encoder, directory, adapter_directory, processor=self.processor)
+        """The tower in ``directory``; an adapted one merged there and its adapter in
+        ``adapter_directory``."""
+        self.export(self.encoder, directory, adapter_directory)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         return self.encoder(images)

@@ -257,17 +257,20 @@ def test_control_per_process_dropout_breaks_an_image_method_on_a_pretrained_towe
 
 
 @pytest.mark.parametrize("tower", ["transformers", "timm"])
-@pytest.mark.parametrize("method", ["simclr", "dino"])
-def test_an_image_methods_pretrained_tower_is_exported_in_its_own_format(runs, data, method, tower):
+@pytest.mark.parametrize("method", ["simclr", "dino", "pairs"])
+def test_a_pretrained_image_tower_is_exported_in_its_own_format(runs, data, method, tower):
     """final/image is the trained tower as its own library loads it (``AutoModel`` with
     its processor beside it; ``timm.create_model`` with ``pretrained_cfg_overlay``): its
-    weights are those of final/model.safetensors' encoder, bit for bit."""
+    weights are those of final/model.safetensors' tower, bit for bit, for an image
+    method's as for image-text's (``pairs``)."""
     from safetensors.torch import load_file
 
     final = runs(1, *command(pretrained_cell(method, tower), data)) / "final"
-    trained = {name[len("encoder.encoder."):]: tensor
+    prefix = "image.encoder.encoder." if method == "pairs" else "encoder.encoder."
+    trained = {name[len(prefix):]: tensor
                for name, tensor in load_file(final / "model.safetensors").items()
-               if name.startswith("encoder.encoder.")}  # fmt: skip
+               if name.startswith(prefix)}  # fmt: skip
+    assert trained
     if tower == "timm":
         import timm
 

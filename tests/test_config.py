@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from contrastive_accelerate.config import ConfigError, flag, parse_args, parser
+from contrastive_accelerate.config import ConfigError, field_names, flag, parse_args, parser
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods import DINO_OPTIONS, METHOD_OPTIONS, METHODS, SIMCLR_LOSSES
 from contrastive_accelerate.options import MIXTURE_OPTIONS, STREAMING_OPTIONS, check_data
+from models.lora import LoRAOptions
 from models.towers import IMAGE_TOWERS, TOWER_KINDS
 from trainer import TrainConfig
 
@@ -59,7 +60,8 @@ def _part_flags() -> list[list[str]]:
     lines += [[flag(kind.option), "vit", *pairs] for kind in TOWER_KINDS.values()
               for pairs in ([], PAIRS)
               if kind.option not in (None, "model")]  # --model: IMAGE_TOWERS' rows  # fmt: skip
-    lines += [[*STREAMED, "--streaming"], MIXED, [*PAIRS, "--lora-rank", "4"]]
+    adapted = [*PAIRS, "--text-model", "bert", "--lora-rank", "4"]
+    lines += [[*STREAMED, "--streaming"], MIXED, adapted]
     return lines
 
 
@@ -174,7 +176,8 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     streamed = ("streaming", *STREAMING_OPTIONS, *MIXTURE_OPTIONS)  # in files of their own
     kinds = {kind: (row.option, *row.reads) for kind, row in TOWER_KINDS.items()
              if row.option and row.option not in (*METHOD_OPTIONS, "model")}  # fmt: skip
-    apart = ("method", *vit, *METHOD_OPTIONS, *streamed, *sum(kinds.values(), ()))
+    lora = field_names(LoRAOptions)  # on a pretrained tower, in a file of its own
+    apart = ("method", *vit, *METHOD_OPTIONS, *streamed, *sum(kinds.values(), ()), *lora)
     shared = {n: v for n, v in VALUES.items() if n not in apart}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
@@ -196,6 +199,7 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     files += [{**mixed, name: VALUES[name]} for name in MIXTURE_OPTIONS]
     # Each pretrained kind of tower's options, in a file of its own.
     files += [{name: VALUES[name] for name in names} for names in kinds.values()]
+    files.append({"image_model": "vit", "image_size": 8, **{n: VALUES[n] for n in lora}})
     # Each loss's own options, in a file of its own.
     files += [
         {"loss": loss, **{n: VALUES[n] for n in row.options}} for loss, row in SIMCLR_LOSSES.items()
@@ -319,10 +323,14 @@ def test_usage_errors_are_one_line(capfd):
         ({"columns": "a,b", "image_pooling": "cls"}, "--image-pooling applies to --image-model"),
         ({"columns": "a,b", "lora_alpha": 16.0}, "--lora-alpha applies with --lora-rank"),
         (
-            {"columns": "a,b", "lora_rank": 4, "lora_towers": "image"},
-            "--lora-towers image needs a transformers image tower",
+            {"columns": "a,b", "text_model": "bert", "lora_rank": 4, "lora_towers": "image"},
+            "--lora-towers image needs a pretrained image tower",
         ),
-        ({"lora_rank": 4}, "--lora-rank does not apply to --method simclr"),
+        ({"lora_rank": 4}, "--lora-rank adapts a pretrained tower"),
+        (
+            {"image_model": "vit", "lora_rank": 4, "lora_towers": "image"},
+            "--lora-towers does not apply to --method simclr",
+        ),
         (
             {"model": "mlp", "gradient_checkpointing": True},
             "--gradient-checkpointing applies to resnet18, resnet34, resnet50, vit_tiny, "

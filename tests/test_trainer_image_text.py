@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -259,11 +260,11 @@ def test_final_image_loads_in_transformers_and_embeds_as_the_trained_tower(vit_r
     )
     pixels = processor(picture, return_tensors="pt")["pixel_values"].double()
     theirs = model(pixel_values=pixels).pooler_output @ weights["image.projection.weight"].T
-    from models.vision import PretrainedImageModel, VisionTower
+    from models.vision import PretrainedImageModel, VisionTower, save_vision_tower
 
-    ours = PretrainedImageModel(
-        VisionTower(model, "pooled", processor.image_mean, processor.image_std), 128
-    ).double()
+    tower = VisionTower(model, "pooled", processor.image_mean, processor.image_std)
+    ours = PretrainedImageModel(tower, 128, partial(save_vision_tower, processor=processor))
+    ours = ours.double()
     ours.load_state_dict({k[len("image."):]: v for k, v in weights.items()
                           if k.startswith("image.")})  # fmt: skip
     data_pixels = NORMALIZE(torch.from_numpy(np.asarray(picture).copy()).permute(2, 0, 1))
@@ -278,7 +279,8 @@ def test_final_image_loads_in_transformers_and_embeds_as_the_trained_tower(vit_r
     [
         (("--image-model", "{bert}"), "takes no pixel_values: it is not a vision model"),
         (("--image-model", "{vit}", "--model", "mlp"), "--model does not apply with --image-model"),
-        (("--image-model", "{vit}", "--image-size", "12"), "--image-size 12: --image-model"),
+        # 2 px: smaller than a patch (a larger size interpolates the position embeddings).
+        (("--image-model", "{vit}", "--image-size", "2"), "--image-size 2: --image-model"),
     ],
     ids=["not-a-vision-model", "with-model", "image-size"],
 )

@@ -238,14 +238,23 @@ def head_shape(head: tuple[int, int, int]) -> dict[str, int]:
 
 
 def image_model(
-    config, world_size: int, say: Say, model_class: type[ImageModel], **heads: Any
+    config,
+    world_size: int,
+    say: Say,
+    model_class: type[ImageModel],
+    *,
+    other_size: int | None = None,
+    **heads: Any,
 ) -> ImageModel:
-    """``--model``'s tower, or ``--image-model``'s, under the method's heads
-    (``model_class``, with ``heads`` its own arguments: the head's shape, a learnable
-    scale, a predictor's width), with global BatchNorm statistics and dropout keyed by
-    sample where the options ask for them (a pretrained tower's own dropout is keyed
-    where it loads: ``image_text.pretrained_image_tower``)."""
+    """``--model``'s tower, or ``--image-model``'s or ``--timm-model``'s, under the
+    method's heads (``model_class``, with ``heads`` its own arguments: the head's shape, a
+    learnable scale, a predictor's width), with global BatchNorm statistics and dropout
+    keyed by sample where the options ask for them (a pretrained tower's own dropout is
+    keyed where it loads: ``image_text.pretrained_image_tower``), taking crops of
+    ``other_size`` too if given (DINO's local crops). A pretrained tower's content
+    digests are the model's ``inputs`` (``Method.inputs``)."""
     encoder = export = None
+    inputs = {}
     if config.image_model or config.timm_model:
         from contrastive_accelerate.methods.image_text import pretrained_image_tower
 
@@ -255,7 +264,8 @@ def image_model(
                 f"{named} with --method {config.method}: give --image-size, the size "
                 "of the crops its tower takes"
             )
-        encoder, export = pretrained_image_tower(config, world_size, say)
+        loaded = pretrained_image_tower(config, world_size, say, other_size)
+        encoder, export, inputs = loaded.tower, loaded.export, loaded.inputs
     model = model_class(
         backbone=config.model,
         image_size=config.image_size,
@@ -264,7 +274,7 @@ def image_model(
         encoder=encoder,
         **heads,
     ).to(DTYPES[config.dtype])
-    model.export_tower = export
+    model.export_tower, model.inputs = export, inputs
     scratch = encoder is None and config.model != "mlp"  # image-text's text tower may
     if config.gradient_checkpointing and scratch:  # a pretrained one is checkpointed on load
         checkpoint_image_encoder(model.encoder)

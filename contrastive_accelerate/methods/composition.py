@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from contrastive_accelerate.config import ConfigError, flag, is_set
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import Family, MethodRow
+from models.lora import check_lora_options
 from models.towers import (
     IMAGE_TOWER_KINDS,
     IMAGE_TOWERS,
@@ -98,9 +99,11 @@ def check_tower_options(config, row: MethodRow) -> None:
 
 def check_tower_kind(config) -> None:
     """Refuse what the named kind of tower holds in its own checkpoint (its row's
-    ``replaces``: a CLIP checkpoint's text tower, a vision model's dropout) and what only
-    a kind not named reads (``reads``: ``--image-pooling`` without ``--image-model``)."""
+    ``replaces``: a CLIP checkpoint's text tower, a vision model's dropout), what only
+    a kind not named reads (``reads``: ``--image-pooling`` without ``--image-model``),
+    and LoRA adapters on no pretrained tower."""
     named = TOWER_KINDS[tower_kind(config)]
+    check_lora_options(config, pretrained=named.loader is not None or bool(config.text_model))
     for name in named.replaces:
         if is_set(config, name) and getattr(config, name):  # resolved: dropout 0.0
             raise ConfigError(f"{flag(name)} does not apply with {flag(named.option)} (its own)")

@@ -61,7 +61,9 @@ class DINOOptions:
     )  # fmt: skip
     global_crops: int = option(2, "dino: global crops per sample", at_least=1)
     local_crops: int | None = option(
-        None, "dino: local crops per sample; none: 6, or 0 for the mlp", at_least=0
+        None,
+        "dino: local crops per sample; none: 6, or 0 for the mlp and the digits",
+        at_least=0,
     )
     local_crop_size: int | None = option(
         None, "dino: local crop size; none: half of --image-size", at_least=1
@@ -112,7 +114,9 @@ class DINOMethod(TeacherMethod):
         self.model = image_model(
             config, world_size, say, DINOModel, projection_hidden_dim=hidden,
             projection_dim=bottleneck, dino_out_dim=config.dino_out_dim,
+            other_size=config.local_crop_size if config.local_crops else None,
         )  # fmt: skip
+        self.inputs = self.model.inputs
         self.teacher = EMATeacher(self.model).to(device)
         self.center = torch.zeros(1, config.dino_out_dim, dtype=self.teacher.dtype, device=device)
         self.criterion = DINOLoss(config.temperature, gather_distributed=config.gather)
@@ -225,9 +229,11 @@ def defaults(config) -> dict[str, Any]:
 
 def any_input_size(config) -> bool:
     """Whether the tower takes local crops at another size than the global ones: a row of
-    ``IMAGE_TOWERS`` that says so; not yet a pretrained one (``--image-model``,
-    ``--timm-model``)."""
-    return image_tower_kind(config) == "scratch" and IMAGE_TOWERS[config.model].any_input_size
+    ``IMAGE_TOWERS`` that says so, or a pretrained tower (``--image-model``,
+    ``--timm-model``: a ViT interpolates its position embeddings, a convolutional network
+    takes any size; one that cannot embed ``--local-crop-size`` is refused where it
+    loads, by its probe)."""
+    return image_tower_kind(config) != "scratch" or IMAGE_TOWERS[config.model].any_input_size
 
 
 def check(config) -> None:
@@ -236,10 +242,8 @@ def check(config) -> None:
             "--freeze-last-layer counts epochs, which a stream or a mixture has not: the "
             "last layer would stay frozen for the whole run"
         )
-    tower = IMAGE_TOWERS[config.model]
-    if config.local_crops and image_tower_kind(config) != "scratch":
-        raise ConfigError("--local-crops: a pretrained tower takes one input size here yet")
-    if config.local_crops and not tower.any_input_size:
+    tower = IMAGE_TOWERS[config.model] if image_tower_kind(config) == "scratch" else None
+    if config.local_crops and tower is not None and not tower.any_input_size:
         raise ConfigError(
             f"--local-crops: {config.model} takes one input size; use a resnet or a vit"
         )
@@ -248,7 +252,7 @@ def check(config) -> None:
             f"--local-crop-size {config.local_crop_size} is larger than the global crops "
             f"(--image-size {config.image_size})"
         )
-    patches = tower.patch_size is not None and config.local_crops != 0
+    patches = tower is not None and tower.patch_size is not None and config.local_crops != 0
     if patches and config.local_crop_size and config.image_size:
         patch = tower.patch_size(config.image_size)
         if config.local_crop_size % patch:

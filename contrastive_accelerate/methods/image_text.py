@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -111,10 +112,9 @@ class ImageTextMethod(PairsMethod):
 
         encoder, self.tokenizer, self.inputs = text_encoder(config, data, data.text_columns)
         width = config.projection_dim or SIMCLR_HEAD[2]
-        if config.image_model:
-            image, image_size, self.inputs["image_model"] = pretrained_image_model(
-                config, width, world_size, say
-            )
+        if config.image_model or config.timm_model:
+            image, image_size, inputs = pretrained_image_model(config, width, world_size, say)
+            self.inputs.update(inputs)
         else:
             shape = head_shape((*SIMCLR_HEAD[:2], width))
             image = image_model(config, world_size, say, SimCLR, **shape)
@@ -203,20 +203,15 @@ class ImageTextMethod(PairsMethod):
 
 def pretrained_image_model(
     config, width: int, world_size: int, say: Say
-) -> tuple[nn.Module, int, dict[str, str]]:
-    """``--image-model``'s tower, pooled (``--image-pooling``) and projected into ``width``
-    as CLIP's is; the image size (``--image-size``, else its processor's); and the
-    digests of its weights and processor. Its dropout is keyed by sample like the other
-    towers'; parameters the pooling never reaches are frozen."""
-    from models.vision import PretrainedImageModel, processor_image_size
+) -> tuple[nn.Module, int, dict[str, dict[str, str]]]:
+    """``--image-model``'s or ``--timm-model``'s tower (``pretrained_image_tower``),
+    projected into ``width`` as CLIP's is; the image size (``--image-size``, else the
+    tower's own); the content digests of what it loaded, by option."""
+    from models.vision import PretrainedImageModel
 
-    tower, processor, digests = load_vision_tower(config)
-    size = config.image_size or processor_image_size(processor)
-    model = PretrainedImageModel(tower, width, processor).to(DTYPES[config.dtype])
-    probe = image_probe(model, config, size)
-    model = tower_dropout(model.train(), probe, config, world_size, say)
-    freeze_unreached(model, probe, say)
-    return model, size, {**digests, "processor": processor_digest(processor)}
+    loaded = pretrained_image_tower(config, world_size, say)
+    model = PretrainedImageModel(loaded.tower, width, loaded.export).to(DTYPES[config.dtype])
+    return model, loaded.size, loaded.inputs
 
 
 def load_vision_tower(config) -> tuple[nn.Module, Any, dict[str, str]]:
@@ -235,49 +230,78 @@ def load_vision_tower(config) -> tuple[nn.Module, Any, dict[str, str]]:
     return tower, processor, digests
 
 
+@dataclass
+class PretrainedTower:
+    """A pretrained image tower as a method trains it (``pretrained_image_tower``)."""
+
+    tower: nn.Module
+    #: How ``final/`` writes it in its own format: ``export(tower, directory,
+    #: adapter_directory)`` (its LoRA adapter in the latter; none: ``directory_adapter``).
+    export: Callable[..., None]
+    #: The content digests of what it loaded, by option (``Method.inputs``).
+    inputs: dict[str, dict[str, str]]
+    #: The size of the crops it takes: ``--image-size``, else its processor's or its
+    #: ``pretrained_cfg``'s.
+    size: int
+
+
 def pretrained_image_tower(
-    config, world_size: int, say: Say
-) -> tuple[nn.Module, Callable[[nn.Module, str], None]]:
+    config, world_size: int, say: Say, other_size: int | None = None
+) -> PretrainedTower:
     """``--image-model``'s tower (``load_vision_tower``) or ``--timm-model``'s
-    (``models.timm_tower``) for an image method's heads, in the run's dtype, its layers
-    checkpointed with ``--gradient-checkpointing``, its dropout keyed by sample and what
-    its pooling never reaches frozen, as image-text's; and how ``final/`` exports it in
-    its own format (``export(tower, directory)``). Its crops are ``--image-size``."""
+    (``models.timm_tower``) for a method's heads, in the run's dtype, its layers
+    checkpointed with ``--gradient-checkpointing`` and adapted with ``--lora-rank``, its
+    dropout keyed by sample and what its pooling never reaches frozen. Its crops are
+    ``--image-size`` (else its own size), and ``other_size`` if given (DINO's local
+    crops: a ViT's position embeddings are then interpolated; a tower that cannot embed
+    them is refused in one line)."""
     from models.timm_tower import save_timm_tower
-    from models.vision import save_vision_tower
+    from models.vision import processor_image_size, save_vision_tower
 
     if config.timm_model:
         tower = TOWER_KINDS["timm"].load(
-            config.timm_model, config.timm_weights, DTYPES[config.dtype]
-        )
-        if config.gradient_checkpointing:
-            checkpoint_timm_blocks(tower.encoder)
+            config.timm_model, config.timm_weights, DTYPES[config.dtype],
+            other_sizes=other_size is not None,
+        )  # fmt: skip
+        built = {"architecture": tower.architecture, "model_args": tower.model_args,
+                 "mean": tower.mean, "std": tower.std}  # fmt: skip
+        inputs = {"timm_model": {"weights": content_digest(tower.encoder.state_dict(), built)}}
+        size = config.image_size or tower.image_size
+        tower.encoder = adapted(tower.encoder, config, "image", "--timm-model",
+                                checkpoint=checkpoint_timm_blocks)  # fmt: skip
         export = save_timm_tower
     else:
-        tower, processor, _ = load_vision_tower(config)
+        tower, processor, digests = load_vision_tower(config)
         export = partial(save_vision_tower, processor=processor)
+        inputs = {"image_model": {**digests, "processor": processor_digest(processor)}}
+        size = config.image_size or processor_image_size(processor)
     tower = tower.to(DTYPES[config.dtype])
     # Two images, for a tower with BatchNorm (one value per channel cannot be normalised),
     # whose running statistics the probes leave as they were.
-    probe = image_probe(tower, config, config.image_size, count=2)
+    probe = image_probe(tower, config, size, count=2)
+    if other_size is not None:
+        image_probe(tower, config, other_size, count=2, named="--local-crop-size")
     with running_statistics_kept(tower):
         tower = tower_dropout(tower.train(), probe, config, world_size, say)
         freeze_unreached(tower, probe, say)
-    return tower, export
+    return PretrainedTower(tower, export, inputs, size)
 
 
-def image_probe(model: nn.Module, config, size: int, count: int = 1) -> tuple[torch.Tensor]:
-    """``count`` black images of ``size`` that ``model`` (a pretrained tower) embeds in
-    eval mode, as the probe of its dropout; a size it cannot embed is one line."""
+def image_probe(
+    model: nn.Module, config, size: int, count: int = 1, named: str = "--image-size"
+) -> tuple[torch.Tensor]:
+    """``count`` black images of ``size`` (the option ``named``'s) that ``model`` (a
+    pretrained tower) embeds in eval mode, as the probe of its dropout; a size it cannot
+    embed is one line."""
     probe = (torch.zeros(count, 3, size, size, dtype=DTYPES[config.dtype]),)
     try:
         with torch.no_grad():
             model.eval()(*probe)
-    except (IndexError, RuntimeError, ValueError) as error:
-        named = flag("timm_model") if config.timm_model else flag("image_model")
+    except (AssertionError, IndexError, RuntimeError, ValueError) as error:  # timm asserts
+        option = flag("timm_model") if config.timm_model else flag("image_model")
         tower = config.timm_model or config.image_model
         raise TrainerError(
-            f"--image-size {size}: {named} {tower!r} cannot embed it "
+            f"{named} {size}: {option} {tower!r} cannot embed it "
             f"({str(error).strip().splitlines()[0][:160]})"
         ) from None
     return probe

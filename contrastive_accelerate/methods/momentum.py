@@ -122,6 +122,7 @@ class MomentumMethod(TeacherMethod):
             config, world_size, say, PredictorModel, **head_shape(SIMCLR_HEAD),
             prediction_hidden_dim=SIMCLR_HEAD[1],
         )  # fmt: skip
+        self.inputs = self.model.inputs
         self.teacher = EMATeacher(self.model, without=("predictor",)).to(device)
         if config.method == "moco":
             self.temperature = config.temperature

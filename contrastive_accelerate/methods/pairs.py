@@ -41,6 +41,7 @@ from contrastive_accelerate.methods.loss_table import INITIAL_LOGIT_SCALE, LOSSE
 from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
+from models.lora import LoRAOptions
 from models.text import POOLINGS
 from models.towers import IMAGE_TOWER_KINDS, TOWER_KINDS, TowerOptions
 
@@ -63,39 +64,22 @@ class PairsOptions:
         None, 'image-text: zero-shot evaluation with e.g. "a photo of a {}"', resume="free"
     )
     attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
-
-
-@dataclass
-class LoRAOptions:
-    """LoRA adapters on the ``transformers`` towers (``models.lora``), a section of
-    ``TrainConfig``."""
-
-    lora_rank: int = option(
-        0, "pairs: LoRA adapters of this rank; 0: train every weight", at_least=0
-    )
-    lora_alpha: float = option(8.0, "LoRA: scale alpha (adapters add alpha / rank * BA)", above=0.0)
-    lora_dropout: float = option(
-        0.0, "LoRA: dropout of the adapters' input", at_least=0.0, below=1.0
-    )
-    lora_target_modules: str | None = option(
-        None, "LoRA: linear layers to adapt, e.g. query,value; none: the query and value ones"
-    )
     lora_towers: str = option(
         "both", "LoRA: the transformers towers it adapts", choices=("both", "text", "image")
     )
 
 
-#: LoRA adapters on the transformers towers (``models.lora``).
-LORA_OPTIONS = field_names(LoRAOptions)
+#: The LoRA options pairs read besides the towers' own (``models.lora.LoRAOptions``).
+LORA_OPTIONS = (*field_names(LoRAOptions), "lora_towers")
 
 #: The two kinds of pairs, as the data tell them apart: text pairs read any source and
-#: take no image; image-text pairs take every image tower but no mixture yet.
+#: take no image; image-text pairs read any source and take every image tower.
 TEXT_PAIRS = Family(
     "--method pairs (text pairs)", ("table", "stream", "mixture"), None,
     reads=("gradient_checkpointing",), losses=("mnrl",),
 )  # fmt: skip
 IMAGE_TEXT = Family(
-    "--method pairs (image-text)", EVERY_SOURCE, ("scratch", "transformers", "clip"),
+    "--method pairs (image-text)", EVERY_SOURCE, ("scratch", "transformers", "clip", "timm"),
     reads=("gradient_checkpointing",), losses=("infonce", "siglip"),
 )  # fmt: skip
 #: The ``--loss`` of ``--method pairs``: text-text pairs take mnrl, image-text ones
@@ -108,7 +92,7 @@ PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 #: pooling are the image methods' too: ``composition`` refuses them where they do not apply.)
 TEXT_OPTIONS = (
     *field_names(PairsOptions), *(TOWER_KINDS[kind].option for kind in ("text", "clip")),
-    *LORA_OPTIONS, *options_of(TEXT_PAIR_LOSSES),
+    *options_of(TEXT_PAIR_LOSSES),
 )  # fmt: skip
 
 #: What text-text pairs never read (no image tower, no labels to probe): set, refused.
@@ -189,12 +173,13 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
-    if not config.lora_rank:
-        for name in LORA_OPTIONS[1:]:
-            if is_set(config, name):
-                raise ConfigError(f"{flag(name)} applies with --lora-rank")
-    elif config.lora_towers == "image" and not (config.image_model or config.clip_model):
-        raise ConfigError("--lora-towers image needs a transformers image tower: --image-model")
+    if not config.lora_rank and is_set(config, "lora_towers"):
+        raise ConfigError("--lora-towers applies with --lora-rank")
+    image_tower = config.image_model or config.clip_model or config.timm_model
+    if config.lora_rank and config.lora_towers == "image" and not image_tower:
+        raise ConfigError(
+            "--lora-towers image needs a pretrained image tower: --image-model or --timm-model"
+        )
     template = config.zero_shot_template
     if template is not None:
         try:
@@ -280,7 +265,7 @@ PAIRS = MethodRow(
     build,
     pair_data,
     options=("loss", *TEXT_OPTIONS, *SCALE_OPTIONS),
-    sections=(PairsOptions, LoRAOptions),
+    sections=(PairsOptions,),
     reads=reads,
     defaults=defaults,
     check=check,
@@ -315,16 +300,18 @@ def adapted(
     *,
     towers: dict[str, str] | None = None,
     also_trained: tuple[str, ...] = (),
+    checkpoint: Callable[[nn.Module], None] = checkpoint_transformer_layers,
 ) -> nn.Module:
-    """A transformers model as the options train it: checkpointed layers with
-    ``--gradient-checkpointing``, and LoRA adapters (``--lora-rank``) when
-    ``--lora-towers`` names its ``tower`` ("text" or "image"). A dual encoder gives
-    ``towers``, each kind's submodule: the towers ``--lora-towers`` leaves out train
-    whole, as do ``also_trained`` (its projections)."""
+    """A pretrained model as the options train it: its layers checkpointed with
+    ``--gradient-checkpointing`` (``checkpoint``: a transformers model's layers by
+    default), and LoRA adapters (``--lora-rank``) when ``--lora-towers`` names its
+    ``tower`` ("text" or "image"; an image method's tower is "image"). A dual encoder
+    gives ``towers``, each kind's submodule: the towers ``--lora-towers`` leaves out
+    train whole, as do ``also_trained`` (its projections)."""
     from models.lora import add_lora
 
     if config.gradient_checkpointing:
-        checkpoint_transformer_layers(encoder)
+        checkpoint(encoder)
     if not config.lora_rank:
         return encoder
     targets = config.lora_target_modules

@@ -92,6 +92,7 @@ class SimCLRMethod(Method):
             logit_scale=config.logit_scale_init if "logit_scale_init" in row.options else None,
             logit_bias=config.logit_bias_init if "logit_bias_init" in row.options else None,
         )
+        self.inputs = self.model.inputs
         self.row, self.criterion = row, row.make(config)
         self.queue = None
         if config.queue_size:
