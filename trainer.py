@@ -385,7 +385,7 @@ def train_step(
     )
     for group in optimizer.param_groups:
         group["lr"] = lr
-    method.before_optimizer_step(epoch)
+    method.before_optimizer_step(epoch, step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     method.after_step(step)

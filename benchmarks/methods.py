@@ -63,7 +63,7 @@ def _step(method, optimizer, batch, step: int) -> None:
         partial(method.loss, batch=batch, sizes=None, step=step),
         forward=partial(method.embed, method.model, step=step),
     )
-    method.before_optimizer_step(STEADY_EPOCH)
+    method.before_optimizer_step(STEADY_EPOCH, step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     method.after_step(step)

@@ -89,7 +89,7 @@ def step_syncs_worker(
                     forward=partial(method.embed, model, step=step),
                 )
                 checks.record(step, value)
-                method.before_optimizer_step(0)
+                method.before_optimizer_step(0, step)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 method.after_step(step)

@@ -367,14 +367,19 @@ def test_control_per_rank_means_are_not_exact_on_uneven_shares(make_loss, make_i
         assert_loss_invariant(make_loss, make_inputs, world_sizes=(2,))
 
 
-@pytest.mark.parametrize("frozen_epochs", [1, 0], ids=["frozen", "control-not-frozen"])
-def test_dinos_last_layer_is_left_alone_during_the_frozen_epochs(frozen_epochs):
+@pytest.mark.parametrize(
+    "frozen_epochs, frozen_steps", [(1, 0), (0, 1), (0, 0)],
+    ids=["an-epoch", "a-step", "control-not-frozen"],
+)  # fmt: skip
+def test_dinos_last_layer_is_left_alone_during_the_frozen_epochs(frozen_epochs, frozen_steps):
     """DINO's ``cancel_gradients_last_layer``: no gradient, so SGD with weight decay and
-    momentum leaves the last layer exactly as it was; the rest of the model moves. The
-    control (no frozen epoch) moves it too."""
+    momentum leaves the last layer exactly as it was during the frozen epochs or steps
+    (here one of each epoch); the rest of the model moves. The control (nothing frozen)
+    moves it too."""
     config = TrainConfig(
-        method="dino", model="mlp", dino_out_dim=16, freeze_last_layer=frozen_epochs
-    ).resolved()
+        method="dino", model="mlp", dino_out_dim=16, freeze_last_layer=frozen_epochs,
+        freeze_last_layer_steps=frozen_steps,
+    ).resolved()  # fmt: skip
     method = METHODS["dino"].build(config, load_image_dataset(), 1, print, total_steps=4)
     optimizer = make_optimizer("sgd", method.model.parameters(), lr=0.1, momentum=0.9,
                                weight_decay=5e-4)  # fmt: skip
@@ -384,12 +389,13 @@ def test_dinos_last_layer_is_left_alone_during_the_frozen_epochs(frozen_epochs):
         last_layer = head.last_layer.detach().clone()
         first_layer = head.mlp[0].weight.detach().clone()
         method.loss([method.embed(method.model, batch, epoch)], batch, None, epoch).backward()
-        method.before_optimizer_step(epoch)
+        method.before_optimizer_step(epoch, epoch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         method.after_step(epoch)
         assert not torch.equal(head.mlp[0].weight, first_layer)
-        assert torch.equal(head.last_layer, last_layer) == (epoch < frozen_epochs)
+        frozen = epoch < max(frozen_epochs, frozen_steps)
+        assert torch.equal(head.last_layer, last_layer) == frozen
 
 
 def test_the_vit_takes_local_crops_with_dinos_interpolated_position_embeddings():

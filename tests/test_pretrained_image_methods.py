@@ -153,3 +153,33 @@ def test_a_resume_needs_the_weights_the_checkpoint_was_trained_from(
     last = (result.stdout + result.stderr).strip().splitlines()[-1]
     assert result.returncode != 0 and "differs from the checkpoint's in" in last, last
     assert f"--{option[2:]}'s weights" in last, last
+
+
+def test_a_timm_export_embeds_the_data_as_the_trained_tower_does(runs, towers):
+    """final/image through timm alone, on pixels normalised as its config.json's
+    ``pretrained_cfg`` says, embeds what the trained tower (final/model.safetensors'
+    weights in our ``TimmTower``) embeds from the data's [-1, 1] images: float32, the
+    dtype timm builds, within 1e-6."""
+    import timm
+
+    from models.timm_tower import load_timm_tower
+
+    final = runs(1, *METHOD_FLAGS["simclr"], *towers["timm"]) / "final"
+    ours = load_timm_tower(towers["timm"][1], None, torch.float32)
+    prefix = "encoder.encoder."
+    trained = {name[len(prefix):]: tensor.float()
+               for name, tensor in load_file(final / "model.safetensors").items()
+               if name.startswith(prefix)}  # fmt: skip
+    ours.encoder.load_state_dict(trained)
+    config = json.loads((final / "image" / "config.json").read_text())
+    theirs = timm.create_model(
+        config["architecture"], pretrained=True, num_classes=0, **config["model_args"],
+        pretrained_cfg_overlay={"file": str(final / "image" / "model.safetensors")},
+    ).eval()  # fmt: skip
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    mean, std = (torch.tensor(config["pretrained_cfg"][key]).view(1, 3, 1, 1)
+                 for key in ("mean", "std"))  # fmt: skip
+    with torch.no_grad():
+        error = (ours.eval()(images) - theirs(((images + 1) / 2 - mean) / std)).abs().max().item()
+    print(f"timm: final/image on normalised pixels vs the trained tower on the data: {error:.1e}")
+    assert error <= 1e-6

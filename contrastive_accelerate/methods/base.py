@@ -91,8 +91,9 @@ class Method:
         rank, and ``final/`` is written one tower at a time (``final_model``)."""
         shard_model(self.model, mixed_precision)
 
-    def before_optimizer_step(self, epoch: int) -> None:
-        """Between the backward and the optimizer step (DINO's frozen last layer)."""
+    def before_optimizer_step(self, epoch: int, step: int) -> None:
+        """Between the backward and the optimizer step of ``step`` in ``epoch`` (DINO's
+        frozen last layer)."""
 
     def after_step(self, step: int) -> None:
         """After each optimizer step (an EMA teacher's update, a queue's push)."""

@@ -59,6 +59,10 @@ class DINOOptions:
         None, "dino: epochs the head's last layer stays frozen; none: 1 (DINO's), 0 on a stream",
         resume="apply", at_least=0,
     )  # fmt: skip
+    freeze_last_layer_steps: int = option(
+        0, "dino: steps the head's last layer stays frozen (a stream has no epochs)",
+        resume="apply", at_least=0,
+    )  # fmt: skip
     global_crops: int = option(2, "dino: global crops per sample", at_least=1)
     local_crops: int | None = option(
         None,
@@ -106,6 +110,7 @@ class DINOMethod(TeacherMethod):
         self.warmup_steps = config.teacher_temperature_warmup_steps
         self.center_formula = config.dino_center
         self.freeze_last_layer = config.freeze_last_layer
+        self.freeze_last_layer_steps = config.freeze_last_layer_steps
         self.dataset = per_source(data, lambda rows, image_column: MultiCrop(
             rows, image_column, config.image_size, config.seed, config.global_crops,
             config.local_crops, config.local_crop_size, **augmentation_options(config),
@@ -159,11 +164,12 @@ class DINOMethod(TeacherMethod):
         start = DINO_WARMUP_TEACHER_TEMPERATURE
         return start + (self.teacher_temperature - start) * step / self.warmup_steps
 
-    def before_optimizer_step(self, epoch: int) -> None:
+    def before_optimizer_step(self, epoch: int, step: int) -> None:
         """DINO's ``cancel_gradients_last_layer``: during the first ``--freeze-last-layer``
-        epochs the head's last layer has no gradient, so the optimizer leaves it and its
-        momentum alone (a zero gradient would still apply weight decay and momentum)."""
-        if epoch < self.freeze_last_layer:
+        epochs and ``--freeze-last-layer-steps`` steps the head's last layer has no
+        gradient, so the optimizer leaves it and its momentum alone (a zero gradient
+        would still apply weight decay and momentum)."""
+        if epoch < self.freeze_last_layer or step < self.freeze_last_layer_steps:
             self.model.projection_head.last_layer.grad = None
 
     def after_step(self, step: int) -> None:
@@ -239,8 +245,8 @@ def any_input_size(config) -> bool:
 def check(config) -> None:
     if config.freeze_last_layer and (config.streaming or config.mixed):
         raise ConfigError(
-            "--freeze-last-layer counts epochs, which a stream or a mixture has not: the "
-            "last layer would stay frozen for the whole run"
+            "--freeze-last-layer counts epochs, which a stream or a mixture has not: "
+            "--freeze-last-layer-steps counts steps"
         )
     tower = IMAGE_TOWERS[config.model] if image_tower_kind(config) == "scratch" else None
     if config.local_crops and tower is not None and not tower.any_input_size:
