@@ -49,6 +49,8 @@ METHODS = {
     ],  # fmt: skip
 }
 SOURCES = ("table", "stream")
+#: The table's 30 epochs of ceil(1437 / 64) batches, as steps of the stream.
+STREAM_STEPS = 30 * 23
 SHARD_ROWS = 256
 PAGE = "pretrained.md"
 
@@ -98,7 +100,7 @@ def one_run(method: str, source: str, tower: Path, stream: tuple[Path, Path], qu
     """One run's figures: kNN and linear probe before (step 0) and after, and its time."""
     data = [] if source == "table" else [
         "--dataset", str(stream[0]), "--streaming", "--image-column", "png",
-        "--eval-dataset", str(stream[1]), "--max-steps", "50" if quick else "700",
+        "--eval-dataset", str(stream[1]), "--max-steps", "50" if quick else str(STREAM_STEPS),
     ]  # fmt: skip
     arguments = [*METHODS[method], "--timm-model", str(tower), "--image-size", "8", *data]
     if quick and source == "table":

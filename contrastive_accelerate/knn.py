@@ -45,13 +45,17 @@ def evaluated_images(config, data) -> tuple[Any, str]:
     """What kNN evaluation reads: ``--eval-dataset``'s splits (a labelled table: the bank
     its training split, the queries its evaluation split or ``--eval-holdout`` of it, as
     a training table's), else the training data's own (none for a stream or a mixture);
-    and the line that says where they come from."""
+    and the line that says where they come from. Image-text reads the table's image
+    column under the training data's name, as its retrieval does (``--columns``); an
+    image method finds it as a table's."""
     if config.eval_dataset is None:
         return data, data.evaluation_source
+    from contrastive_accelerate.data.pairs import MixedPairs, PairData
     from contrastive_accelerate.data.sources import load_image_dataset
 
     name = config.eval_dataset
-    held = load_image_dataset(name)
+    image_text = isinstance(data, (PairData, MixedPairs))
+    held = load_image_dataset(name, image_column=data.image_column if image_text else None)
     if held.label_column is None or held.evaluation is None:
         raise DataError(
             f"--eval-dataset {name!r}: kNN needs labels and held-out images; it has "

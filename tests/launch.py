@@ -491,6 +491,27 @@ def make_digit_tar_shards(root: Path, sizes: list[int], *, start: int = 0) -> Pa
     return root
 
 
+def make_captioned_digits(root: Path, count: int, *, start: int = 0) -> Path:
+    """A ``save_to_disk`` folder of ``count`` of scikit-learn's 8x8 digits from row
+    ``start`` on, in ``make_digit_tar_shards``' columns: ``png`` (an ``Image``), ``txt``
+    (its caption) and ``label`` (a ``ClassLabel`` of the digits' names)."""
+    import datasets
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rows = range(start, start + count)
+    features = datasets.Features({"png": datasets.Image(), "txt": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=DIGIT_NAMES)})  # fmt: skip
+    table = datasets.Dataset.from_dict(
+        {"png": [(digits.images[row] * (255 / 16)).astype(np.uint8) for row in rows],
+         "txt": [f"the digit {DIGIT_NAMES[digits.target[row]]}" for row in rows],
+         "label": [int(digits.target[row]) for row in rows]},
+        features=features,
+    )  # fmt: skip
+    table.save_to_disk(str(root))
+    return root
+
+
 def make_digit_parquet(path: Path, count: int, *, start: int = 0) -> Path:
     """A parquet file of ``count`` of scikit-learn's 8x8 digits from row ``start`` on:
     an ``image`` column of ``{"bytes", "path"}`` records (PNG bytes, as ``datasets``

@@ -27,6 +27,7 @@ from contrastive_accelerate.data.streams import find_shards
 from launch import (
     TrainerRuns,
     final_files_difference,
+    make_captioned_digits,
     make_digit_parquet,
     make_digit_tar_shards,
     make_text_pair_shards,
@@ -414,6 +415,34 @@ def test_a_stream_evaluates_on_eval_dataset_alike_on_any_number_of_processes(
     evaluated = [figures(processes, "--eval-dataset", image_folder) for processes in (1, 2)]
     print(f"--eval-dataset on a stream, 1 and 2 processes: {evaluated}")
     assert {"knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"} <= set(evaluated[0])
+    assert evaluated[0] == evaluated[1]
+    assert figures(1) == {}
+
+
+def test_image_text_on_a_stream_retrieves_and_classifies_eval_dataset_alike(tmp_path):
+    """Image-text on tar shards of captioned digits (``png``, ``txt``), evaluated on a
+    table of other digits with the same columns (``--eval-dataset``): retrieval both
+    ways, zero-shot and kNN read its evaluation split, and give the same figures on 1 and
+    2 processes; without it (the control) a stream has no figures."""
+    shards = make_digit_tar_shards(tmp_path / "tar", TAR_SHARDS)
+    held = make_captioned_digits(tmp_path / "held", 40, start=100)
+    flags = ["--streaming", "--dataset", str(shards), "--columns", "png,txt", "--shuffle-buffer",
+             "4", "--model", "mlp", "--text-model", "scratch", "--image-size", "8",
+             "--max-length", "8", "--dtype", "float64", "--batch-size", "6", "--max-steps", "3",
+             "--num-workers", "0", "--knn-k", "3", "--no-linear-probe"]  # fmt: skip
+
+    def figures(processes: int, *extra: str) -> dict[str, float]:
+        out = tmp_path / f"run-{processes}-{len(extra)}"
+        train_pooled(processes, *flags, *extra, "--output-dir", str(out))
+        records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        return {key: value for record in records for key, value in record.items()
+                if "top1" in key or "recall" in key}  # fmt: skip
+
+    evaluated = [figures(processes, "--eval-dataset", str(held), "--zero-shot-template",
+                         "the digit {}") for processes in (1, 2)]  # fmt: skip
+    print(f"image-text on a stream, --eval-dataset, 1 and 2 processes: {evaluated}")
+    assert {"knn_top1", "zero_shot_top1", "image_to_text_recall@1",
+            "text_to_image_recall@1"} <= set(evaluated[0])  # fmt: skip
     assert evaluated[0] == evaluated[1]
     assert figures(1) == {}
 

@@ -35,6 +35,7 @@ from contrastive_accelerate.methods.pairs import (
     embed_texts,
     first_texts,
     freeze_unreached,
+    held_out_pairs,
     say_truncated,
     text_dropout,
     text_encoder,
@@ -101,9 +102,10 @@ class ImageTextMethod(PairsMethod):
         self.row = LOSSES[self.loss_name]
         self.criterion = self.row.make(config)
         self.template = config.zero_shot_template
-        self.class_names = class_names(data) if self.template else None
-        self.evaluation, self.caption_column = data.evaluation, data.text_columns[0]
-        self.image_column, self.image_size = data.image_column, image_size
+        held = held_out_pairs(config, data)  # the training data's own, or --eval-dataset's
+        self.class_names = class_names(held) if self.template else None
+        self.evaluation, self.caption_column = held.evaluation, held.text_columns[0]
+        self.image_column, self.image_size = held.image_column, image_size
 
     def _towers(self, config, data: PairData, world_size: int, say: Say):
         """``--text-model``'s tower and ``--model``'s or ``--image-model``'s, projected into

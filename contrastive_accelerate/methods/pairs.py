@@ -17,6 +17,7 @@ from contrastive_accelerate.collectives import is_distributed
 from contrastive_accelerate.config import ConfigError, field_names, flag, is_set, option
 from contrastive_accelerate.data.augmentation import ImageOptions
 from contrastive_accelerate.data.pairs import (
+    MixedPairs,
     PairData,
     count_truncated,
     load_mixture,
@@ -225,11 +226,26 @@ def check_data(config, data: PairData) -> None:
             raise TrainerError(
                 f"{flag(name)} does not apply to image-text pairs with --loss {loss}"
             )
-    if config.zero_shot_template and (data.label_column is None or data.evaluation is None):
+    held = held_out_pairs(config, data)
+    if config.zero_shot_template and (held.label_column is None or held.evaluation is None):
         raise TrainerError(
             "--zero-shot-template needs labels and held-out images: a label column (or "
             "--label-column), --knn-k > 0, and an evaluation split or --eval-holdout"
         )
+
+
+def held_out_pairs(config, data: PairData | MixedPairs) -> PairData:
+    """What image-text's retrieval and zero-shot read: ``--eval-dataset``'s table, read
+    with the (first) source's image and caption columns, whose evaluation split they
+    read (a stream or a mixture has no held-out rows); else ``data`` itself."""
+    if config.eval_dataset is None:
+        return data
+    source = data.sources[0] if isinstance(data, MixedPairs) else data
+    columns = (source.image_column, source.text_columns[0])
+    held = load_pair_dataset(config.eval_dataset, columns)
+    if held.evaluation is None:
+        raise TrainerError(f"--eval-dataset {config.eval_dataset!r}: it has no evaluation split")
+    return held
 
 
 #: What image-text pairs never read (one tower per kind, InfoNCE or SigLIP): set, refused.
