@@ -17,6 +17,7 @@ from contrastive_accelerate.collectives import ShareSizes
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
+from losses.matryoshka import MatryoshkaLoss
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
 from losses.ranking import MultipleNegativesRankingLoss
@@ -29,6 +30,7 @@ __all__ = [
     "DCLWLoss",
     "DINOLoss",
     "InfoNCELoss",
+    "MatryoshkaLoss",
     "MoCoLoss",
     "MultipleNegativesRankingLoss",
     "NegativeCosineSimilarityLoss",

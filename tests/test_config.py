@@ -42,6 +42,7 @@ VALUES = {field.name: _other_value(field) for field in FIELDS}
 VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is valid
 VALUES["zero_shot_template"] = "a photo of a {}"  # the class name's place, marked
 VALUES["mixture_weights"] = "2,1"  # one per source of MIXED
+VALUES["matryoshka_dims"], VALUES["matryoshka_weights"] = "8,4", "1,0.5"
 # Options valid only beside another option's value.
 STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
 MIXED = ["--dataset", "one", "--dataset", "two", "--max-steps", "5", "--columns", "a,b"]
@@ -61,7 +62,8 @@ def _part_flags() -> list[list[str]]:
               for pairs in ([], PAIRS)
               if kind.option not in (None, "model")]  # --model: IMAGE_TOWERS' rows  # fmt: skip
     adapted = [*PAIRS, "--text-model", "bert", "--lora-rank", "4"]
-    lines += [[*STREAMED, "--streaming"], MIXED, adapted]
+    matryoshka = [*PAIRS, "--matryoshka-dims", "8,4"]  # its weights apply beside it
+    lines += [[*STREAMED, "--streaming"], MIXED, adapted, matryoshka]
     return lines
 
 
@@ -110,6 +112,8 @@ def test_derived_defaults_are_resolved_in_one_place():
         "image_model",
         "clip_model",
         "lora_target_modules",
+        "matryoshka_dims",
+        "matryoshka_weights",
         "zero_shot_template",
         "eval_dataset",
         "timm_model",
@@ -327,6 +331,13 @@ def test_usage_errors_are_one_line(capfd):
             "--lora-towers image needs a pretrained image tower",
         ),
         ({"lora_rank": 4}, "--lora-rank adapts a pretrained tower"),
+        ({"columns": "a,b", "matryoshka_weights": "1,2"}, "--matryoshka-weights applies with"),
+        ({"columns": "a,b", "matryoshka_dims": "8,8"}, "--matryoshka-dims 8,8: distinct widths"),
+        (
+            {"columns": "a,b", "matryoshka_dims": "8,4", "matryoshka_weights": "1"},
+            "--matryoshka-weights 1: one weight > 0 per dim",
+        ),
+        ({"matryoshka_dims": "8,4"}, "--matryoshka-dims does not apply to --method simclr"),
         (
             {"image_model": "vit", "lora_rank": 4, "lora_towers": "image"},
             "--lora-towers does not apply to --method simclr",

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from contrastive_accelerate.data.pairs import TextColumns
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.testing import assert_loss_invariant
-from losses import MultipleNegativesRankingLoss
+from losses import MatryoshkaLoss, MultipleNegativesRankingLoss
 
 import references
 from launch import WORDS, make_text_model
@@ -131,13 +131,13 @@ def tiny_bert(tmp_path_factory):
     return str(make_text_model(tmp_path_factory.mktemp("bert"), dropout=0.0))
 
 
-@pytest.mark.parametrize("chunking", ["cached", "accumulated"])
-def test_gradient_caching_equals_sentence_transformers_cached_mnrl(tiny_bert, chunking):
-    """The trainer's path (TextColumns, TextPairModel, cached_backward in 3 chunks) against
-    ``CachedMultipleNegativesRankingLoss(mini_batch_size=2)`` on the same tiny BERT, float64:
-    the loss and every encoder weight's gradient. The control, "accumulated", is plain
-    gradient accumulation over the same chunks (each chunk's loss on its own negatives,
-    averaged): its gradients are not the cached loss's."""
+COLUMNS = ("anchor", "positive", "negative")
+
+
+def ours_and_peers(tiny_bert):
+    """Six rows of anchor, positive and negative texts; our trainer's tower on
+    ``tiny_bert`` (``TextPairModel``) with the batch ``TextColumns`` makes of them, and
+    sentence-transformers' model of the same tower with its features: float64, training."""
     import datasets
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
@@ -153,54 +153,96 @@ def test_gradient_caching_equals_sentence_transformers_cached_mnrl(tiny_bert, ch
             words[int(i)] for i in torch.randint(len(words), (count,), generator=generator)
         )
 
-    rows = {column: [sentence() for _ in range(6)] for column in ("anchor", "positive", "negative")}
-    dataset = datasets.Dataset.from_dict(rows)
-
+    rows = {column: [sentence() for _ in range(6)] for column in COLUMNS}
     encoder, tokenizer = load_text_encoder(tiny_bert, torch.float64)
     model = TextPairModel([TextTower(encoder, "mean")]).train()
-    items = TextColumns(dataset, ("anchor", "positive", "negative"), tokenizer, max_length=32)
+    items = TextColumns(datasets.Dataset.from_dict(rows), COLUMNS, tokenizer, max_length=32)
     batch = items.collate([items[(0, index)] for index in range(6)])
-    criterion = MultipleNegativesRankingLoss(SCALE)
+    modules = [
+        Transformer(tiny_bert, max_seq_length=32),
+        Pooling(encoder.config.hidden_size, "mean"),
+    ]
+    peer_model = SentenceTransformer(modules=modules, device="cpu").double().train()
+    features = [peer_model.tokenize(rows[column]) for column in COLUMNS]
+    return model, batch, peer_model, features
+
+
+def our_loss(model, batch, criterion, chunks: int, cached: bool = True) -> torch.Tensor:
+    """``criterion`` on the batch's columns through our gradient caching in ``chunks``
+    (the trainer's path), or (``cached=False``, the control) plain accumulation over
+    them; its gradients left in ``model``."""
 
     def loss_fn(outputs):
         per_chunk = [output.unflatten(0, (3, -1)) for output in outputs]
         return criterion(*(torch.cat([o[c] for o in per_chunk]) for c in range(3)))
 
-    chunks = batch.split(3)
-    if chunking == "cached":
-        ours = cached_backward(model, chunks, loss_fn, forward=lambda chunk: model(chunk.columns))
-    else:
-        ours = sum(loss_fn([model(chunk.columns)]) / len(chunks) for chunk in chunks)
-        ours.backward()
+    parts = batch.split(chunks)
+    if cached:
+        return cached_backward(model, parts, loss_fn, forward=lambda chunk: model(chunk.columns))
+    loss = sum(loss_fn([model(chunk.columns)]) / len(parts) for chunk in parts)
+    loss.backward()
+    return loss
 
-    transformer = Transformer(tiny_bert, max_seq_length=32)
-    peer_model = (
-        SentenceTransformer(
-            modules=[transformer, Pooling(encoder.config.hidden_size, "mean")], device="cpu"
-        )
-        .double()
-        .train()
-    )
+
+def gradient_gap(model, peer_model) -> float:
+    """The largest difference between our tower's and the peer's encoder gradients."""
+    ours = {name.removeprefix("towers.0.encoder."): p.grad for name, p in model.named_parameters()}
+    return max((parameter.grad - ours[name.split("model.", 1)[1]]).abs().max().item()
+               for name, parameter in peer_model[0].named_parameters()
+               if parameter.grad is not None)  # fmt: skip
+
+
+@pytest.mark.parametrize("chunking", ["cached", "accumulated"])
+def test_gradient_caching_equals_sentence_transformers_cached_mnrl(tiny_bert, chunking):
+    """The trainer's path (TextColumns, TextPairModel, cached_backward in 3 chunks) against
+    ``CachedMultipleNegativesRankingLoss(mini_batch_size=2)`` on the same tiny BERT, float64:
+    the loss and every encoder weight's gradient. The control, "accumulated", is plain
+    gradient accumulation over the same chunks (each chunk's loss on its own negatives,
+    averaged): its gradients are not the cached loss's."""
+    model, batch, peer_model, features = ours_and_peers(tiny_bert)
+    criterion = MultipleNegativesRankingLoss(SCALE)
+    ours = our_loss(model, batch, criterion, 3, cached=chunking == "cached")
     peer = st_losses.CachedMultipleNegativesRankingLoss(peer_model, scale=SCALE, mini_batch_size=2)
-    features = [peer_model.tokenize(rows[column]) for column in ("anchor", "positive", "negative")]
     theirs = peer(features, None)
     theirs.backward()
-
-    ours_grads = {
-        name.removeprefix("towers.0.encoder."): p.grad for name, p in model.named_parameters()
-    }
-    worst = 0.0
-    for name, parameter in peer_model[0].named_parameters():
-        name = name.split("model.", 1)[1]
-        if parameter.grad is not None:
-            worst = max(worst, (parameter.grad - ours_grads[name]).abs().max().item())
-    value = abs(ours.item() - theirs.item())
+    worst, value = gradient_gap(model, peer_model), abs(ours.item() - theirs.item())
     print(f"{chunking} vs CachedMultipleNegativesRankingLoss: value {value:.1e}, "
           f"gradients {worst:.1e}")  # fmt: skip
     if chunking == "cached":
         assert value <= 1e-12 and worst <= 1e-12
     else:
         assert worst > 1e-4
+
+
+MATRYOSHKA_DIMS, MATRYOSHKA_WEIGHTS = (16, 8, 4), (1.0, 0.5, 0.25)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached-mnrl"])
+def test_matryoshka_equals_sentence_transformers_matryoshka_loss(tiny_bert, cached):
+    """``MatryoshkaLoss`` over MNRL (one chunk) and over gradient caching (3 chunks)
+    against sentence-transformers' ``MatryoshkaLoss`` around its ``MNRL`` and its
+    ``CachedMNRL(mini_batch_size=2)``, on the same tiny BERT (16 dims: 16, 8 and 4 with
+    weights 1, 0.5, 0.25), float64: the loss and every gradient within 1e-12. The control:
+    the loss of the whole embeddings alone is not it."""
+    model, batch, peer_model, features = ours_and_peers(tiny_bert)
+    criterion = MatryoshkaLoss(MultipleNegativesRankingLoss(SCALE), MATRYOSHKA_DIMS,
+                               MATRYOSHKA_WEIGHTS)  # fmt: skip
+    ours = our_loss(model, batch, criterion, 3 if cached else 1)
+    inner = (
+        st_losses.CachedMultipleNegativesRankingLoss(peer_model, scale=SCALE, mini_batch_size=2)
+        if cached
+        else st_losses.MultipleNegativesRankingLoss(peer_model, scale=SCALE)
+    )
+    peer = st_losses.MatryoshkaLoss(peer_model, inner, list(MATRYOSHKA_DIMS),
+                                    matryoshka_weights=list(MATRYOSHKA_WEIGHTS))  # fmt: skip
+    theirs = peer(features, None)
+    theirs.backward()
+    worst, value = gradient_gap(model, peer_model), abs(ours.item() - theirs.item())
+    print(f"Matryoshka, {'cached ' if cached else ''}MNRL vs sentence-transformers: "
+          f"value {value:.1e}, gradients {worst:.1e}")  # fmt: skip
+    assert value <= 1e-12 and worst <= 1e-12
+    whole = our_loss(*ours_and_peers(tiny_bert)[:2], MultipleNegativesRankingLoss(SCALE), 1)
+    assert abs(whole.item() - theirs.item()) > 1e-3
 
 
 def test_an_empty_tower_batch_still_has_every_weight_in_the_graph(tiny_bert):

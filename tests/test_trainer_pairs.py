@@ -34,6 +34,8 @@ COLUMNS = "anchor,positive,negative_1"
 # AdamW (the pairs' default) at 1e-3: at 0.1 its steps amplify float64 rounding to 1e-11.
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-length", "8",
           "--log-every", "1", "--max-steps", "5", "--num-workers", "0"]  # fmt: skip
+# The tiny BERT's 16 dims and two prefixes of them (sentence-transformers' MatryoshkaLoss).
+MATRYOSHKA = ("--matryoshka-dims", "16,8,4", "--matryoshka-weights", "1,0.5,0.25")
 TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", "--mnrl-symmetric",
               "--unique-texts"]  # fmt: skip
 
@@ -63,6 +65,7 @@ def runs(tmp_path_factory, data):
         ((*TWO_TOWERS, "--accumulation-chunks", "3"), 3),
         (("--gradient-checkpointing",), 2),
         (("--gradient-checkpointing", "--accumulation-chunks", "3"), 3),
+        ((*MATRYOSHKA, "--accumulation-chunks", "3"), 3),
     ],
     ids=[
         "W2",
@@ -73,6 +76,7 @@ def runs(tmp_path_factory, data):
         "two-towers-W3-K3",
         "checkpointing-W2",
         "checkpointing-W3-K3",
+        "matryoshka-W3-K3",
     ],  # fmt: skip
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
@@ -104,12 +108,16 @@ def retrieval(run: Path) -> dict[str, float]:
         (("--no-gather",), ()),
         (("--no-attention-mask",), ("--no-attention-mask",)),
         (("--gradient-checkpointing", "--dropout-masks", "per-process"), ()),
+        ((*MATRYOSHKA, "--no-gather"), MATRYOSHKA),
+        (MATRYOSHKA, ()),
     ],
     ids=[
         "per-process-dropout",
         "local-negatives",
         "no-attention-mask",
         "checkpointing-per-process-dropout",
+        "matryoshka-local-negatives",
+        "matryoshka-is-another-objective",
     ],  # fmt: skip
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control, reference_flags):
@@ -300,6 +308,7 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
         (["--columns", COLUMNS, "--model", "mlp"], "--model does not apply to text pairs"),
         (["--columns", COLUMNS, "--max-length", "80"], "--max-length 80: --text-model"),
         ("small-vocabulary", "tokens, more than the model's vocabulary of 50"),
+        (["--columns", COLUMNS, "--matryoshka-dims", "32,8"], "matryoshka dims 32,8: each must"),
     ],
     ids=[
         "missing-column",
@@ -308,6 +317,7 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
         "an-image-option",
         "longer-than-the-positions",
         "tokenizer-beyond-the-vocabulary",
+        "matryoshka-wider-than-the-embeddings",
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):

@@ -36,6 +36,7 @@ from contrastive_accelerate.methods.pairs import (
     first_texts,
     freeze_unreached,
     held_out_pairs,
+    matryoshka_terms,
     say_truncated,
     text_dropout,
     text_encoder,
@@ -101,6 +102,7 @@ class ImageTextMethod(PairsMethod):
             self.dataset = captions(data)
         self.row = LOSSES[self.loss_name]
         self.criterion = self.row.make(config)
+        self.matryoshka = matryoshka_terms(config)
         self.template = config.zero_shot_template
         held = held_out_pairs(config, data)  # the training data's own, or --eval-dataset's
         self.class_names = class_names(held) if self.template else None
@@ -154,7 +156,7 @@ class ImageTextMethod(PairsMethod):
         sizes: Sequence[int] | None,
         step: int,
     ) -> torch.Tensor:
-        return self.row.call(self.criterion, self.model, list(view_halves(outputs)), None, sizes)
+        return self.pair_loss(list(view_halves(outputs)), sizes)
 
     def after_step(self, step: int) -> None:
         """CLIP's clamp of the learnable scale at 100, in place, the same on every rank."""

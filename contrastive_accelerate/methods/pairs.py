@@ -6,7 +6,7 @@ here: the row of ``METHODS``, the text tower and the texts' helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from contrastive_accelerate.methods.base import (
     dataset_options,
 )
 from contrastive_accelerate.methods.loss_table import INITIAL_LOGIT_SCALE, LOSSES, options_of
+from losses.matryoshka import matryoshka
 from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
@@ -70,6 +71,44 @@ class PairsOptions:
     )
 
 
+@dataclass
+class MatryoshkaOptions:
+    """Matryoshka embeddings over the pair losses (``losses.matryoshka``), a section of
+    ``TrainConfig``."""
+
+    matryoshka_dims: str | None = option(
+        None, "pairs: the loss on these leading dims too, e.g. 768,256,64; none: off"
+    )
+    matryoshka_weights: str | None = option(
+        None, "pairs: each --matryoshka-dims term's weight; none: 1 each"
+    )
+
+
+def matryoshka_terms(config) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """``--matryoshka-dims`` and their weights, checked; None when off."""
+    if config.matryoshka_dims is None:
+        if config.matryoshka_weights is not None:
+            raise ConfigError("--matryoshka-weights applies with --matryoshka-dims")
+        return None
+    try:
+        dims = tuple(int(d) for d in config.matryoshka_dims.split(","))
+        weights = tuple(float(w) for w in (config.matryoshka_weights or "").split(",") if w)
+    except ValueError:
+        raise ConfigError(
+            f"--matryoshka-dims {config.matryoshka_dims!r} / --matryoshka-weights "
+            f"{config.matryoshka_weights!r}: give comma-separated numbers"
+        ) from None
+    if any(d < 1 for d in dims) or len(set(dims)) != len(dims):
+        raise ConfigError(f"--matryoshka-dims {config.matryoshka_dims}: distinct widths >= 1")
+    weights = weights or (1.0,) * len(dims)
+    if len(weights) != len(dims) or not all(w > 0 for w in weights):
+        raise ConfigError(
+            f"--matryoshka-weights {config.matryoshka_weights}: one weight > 0 per dim "
+            f"({len(dims)})"
+        )
+    return dims, weights
+
+
 #: The LoRA options pairs read besides the towers' own (``models.lora.LoRAOptions``).
 LORA_OPTIONS = (*field_names(LoRAOptions), "lora_towers")
 
@@ -92,7 +131,8 @@ PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 #: (The kinds of tower with a text tower are pairs' alone; ``--image-model`` and its
 #: pooling are the image methods' too: ``composition`` refuses them where they do not apply.)
 TEXT_OPTIONS = (
-    *field_names(PairsOptions), *(TOWER_KINDS[kind].option for kind in ("text", "clip")),
+    *field_names(PairsOptions), *field_names(MatryoshkaOptions),
+    *(TOWER_KINDS[kind].option for kind in ("text", "clip")),
     *options_of(TEXT_PAIR_LOSSES),
 )  # fmt: skip
 
@@ -111,9 +151,25 @@ IMAGE_OPTIONS = (
 
 
 class PairsMethod(Method):
-    """What text-text and image-text pairs share: ``--unique-texts``' keys, no state."""
+    """What text-text and image-text pairs share: ``--unique-texts``' keys, the loss row's
+    call over each Matryoshka prefix, no state."""
 
     unique_texts: bool = False
+    #: ``--matryoshka-dims`` and their weights (``matryoshka_terms``); None: off.
+    matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None = None
+
+    def pair_loss(self, columns: list[torch.Tensor], sizes: Sequence[int] | None) -> torch.Tensor:
+        """The loss row's call on the columns' embeddings (``LossRow.call``), or with
+        ``--matryoshka-dims`` its weighted sum over their leading dims
+        (``losses.matryoshka``: a dim wider than the embeddings is a ``ValueError`` on every
+        rank alike, one line)."""
+
+        def loss(embeddings: list[torch.Tensor]) -> torch.Tensor:
+            return self.row.call(self.criterion, self.model, embeddings, None, sizes)
+
+        if self.matryoshka is None:
+            return loss(columns)
+        return matryoshka(loss, columns, *self.matryoshka)
 
     def duplicate_keys(self) -> list[tuple[int, ...]] | None:
         """Each row's texts as keys with ``--unique-texts``: no text twice in a batch."""
@@ -174,6 +230,7 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
+    matryoshka_terms(config)
     if not config.lora_rank and is_set(config, "lora_towers"):
         raise ConfigError("--lora-towers applies with --lora-rank")
     image_tower = config.image_model or config.clip_model or config.timm_model
@@ -281,7 +338,7 @@ PAIRS = MethodRow(
     build,
     pair_data,
     options=("loss", *TEXT_OPTIONS, *SCALE_OPTIONS),
-    sections=(PairsOptions,),
+    sections=(PairsOptions, MatryoshkaOptions),
     reads=reads,
     defaults=defaults,
     check=check,

@@ -21,6 +21,7 @@ from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     embed_texts,
     first_texts,
+    matryoshka_terms,
     say_truncated,
     text_dropout,
     text_encoder,
@@ -84,6 +85,7 @@ class TextPairsMethod(PairsMethod):
         self.tokenizer, self.max_length = tokenizers[0], config.max_length
         self.row = LOSSES[config.loss or TEXT_PAIR_LOSSES[0]]
         self.criterion = self.row.make(config)
+        self.matryoshka = matryoshka_terms(config)
 
     def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
         """Every column of one chunk, column after column; column c's dropout keyed by
@@ -109,7 +111,7 @@ class TextPairsMethod(PairsMethod):
         count = len(batch.columns)
         per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
         columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
-        return self.row.call(self.criterion, self.model, columns, None, sizes)
+        return self.pair_loss(columns, sizes)
 
     def evaluate(self, knn: KnnData | None) -> dict[str, float]:
         """Retrieval on the held-out pairs: each anchor's positive among all of theirs
