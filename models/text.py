@@ -186,6 +186,7 @@ class TextPairModel(nn.Module):
         towers: Sequence[TextTower],
         tokenizers: Sequence[Any] = (),
         max_length: int | None = None,
+        prompts: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         if len(towers) not in (1, 2):
@@ -195,6 +196,9 @@ class TextPairModel(nn.Module):
         self.towers = nn.ModuleList(towers)
         self.tokenizers = list(tokenizers)  # saved beside each tower, not trained
         self.max_length = max_length
+        #: Each column's prompt, by column name (``--prompts``): what the texts were
+        #: trained with, which the sentence-transformers export names.
+        self.prompts = dict(prompts or {})
 
     def tower(self, column: int) -> TextTower:
         return self.towers[0] if column == 0 else self.towers[-1]
@@ -241,6 +245,7 @@ class TextPairModel(nn.Module):
                 [os.path.join(directory, TOWER_DIR.format(i)) for i in range(len(self.towers))],
                 os.path.join(directory, SENTENCE_TRANSFORMER_DIR),
                 self.max_length,
+                self.prompts,
             )
 
 
@@ -386,14 +391,16 @@ def export_sentence_transformer(
     tower_dirs: Sequence[str],
     directory: str,
     max_length: int | None,
+    prompts: dict[str, str] | None = None,
 ) -> bool:
     """The towers saved in ``tower_dirs`` as a ``SentenceTransformer`` saved in
     ``directory``: each encoder, read back from its directory, its pooling and its
     projection as a ``Dense`` without activation (``heads``: each tower's width, pooling
     and projection, as ``save_towers`` returns them); two towers as a ``Router`` of the
     query (anchor) and document towers, which ``encode_query`` and ``encode_document``
-    take. Returns False (and writes nothing) when sentence-transformers is not
-    installed."""
+    take; ``prompts`` by name (``encode(texts, prompt_name=...)``, in its
+    ``config_sentence_transformers.json``). Returns False (and writes nothing) when
+    sentence-transformers is not installed."""
     try:
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.sentence_transformer.modules import (
@@ -423,5 +430,5 @@ def export_sentence_transformer(
     stacks = [modules(head, path) for head, path in zip(heads, tower_dirs, strict=True)]
     if len(stacks) == 2:
         stacks = [[Router.for_query_document(query_modules=stacks[0], document_modules=stacks[1])]]
-    SentenceTransformer(modules=stacks[0], device="cpu").save(directory)
+    SentenceTransformer(modules=stacks[0], device="cpu", prompts=prompts or None).save(directory)
     return True

@@ -43,6 +43,7 @@ VALUES["model"] = "mlp"  # an encoder with dropout layers, so that --dropout is 
 VALUES["zero_shot_template"] = "a photo of a {}"  # the class name's place, marked
 VALUES["mixture_weights"] = "2,1"  # one per source of MIXED
 VALUES["matryoshka_dims"], VALUES["matryoshka_weights"] = "8,4", "1,0.5"
+VALUES["prompts"] = "a=query: "  # a column of PAIRS' --columns
 # Options valid only beside another option's value.
 STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
 MIXED = ["--dataset", "one", "--dataset", "two", "--max-steps", "5", "--columns", "a,b"]
@@ -114,6 +115,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         "lora_target_modules",
         "matryoshka_dims",
         "matryoshka_weights",
+        "prompts",
         "zero_shot_template",
         "eval_dataset",
         "timm_model",

@@ -36,6 +36,8 @@ COMMON = ["--dtype", "float64", "--batch-size", "6", "--lr", "1e-3", "--max-leng
           "--log-every", "1", "--max-steps", "5", "--num-workers", "0"]  # fmt: skip
 # The tiny BERT's 16 dims and two prefixes of them (sentence-transformers' MatryoshkaLoss).
 MATRYOSHKA = ("--matryoshka-dims", "16,8,4", "--matryoshka-weights", "1,0.5,0.25")
+# E5-style prompts on two of the columns (sentence-transformers' ``prompts``).
+PROMPTS = ("--prompts", "anchor=query: ", "--prompts", "positive=passage: ")
 TWO_TOWERS = ["--two-towers", "--projection-dim", "8", "--text-pooling", "cls", "--mnrl-symmetric",
               "--unique-texts"]  # fmt: skip
 
@@ -65,7 +67,7 @@ def runs(tmp_path_factory, data):
         ((*TWO_TOWERS, "--accumulation-chunks", "3"), 3),
         (("--gradient-checkpointing",), 2),
         (("--gradient-checkpointing", "--accumulation-chunks", "3"), 3),
-        ((*MATRYOSHKA, "--accumulation-chunks", "3"), 3),
+        ((*MATRYOSHKA, *PROMPTS, "--accumulation-chunks", "3"), 3),
     ],
     ids=[
         "W2",
@@ -76,7 +78,7 @@ def runs(tmp_path_factory, data):
         "two-towers-W3-K3",
         "checkpointing-W2",
         "checkpointing-W3-K3",
-        "matryoshka-W3-K3",
+        "matryoshka-prompts-W3-K3",
     ],  # fmt: skip
 )
 def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processes):
@@ -110,6 +112,7 @@ def retrieval(run: Path) -> dict[str, float]:
         (("--gradient-checkpointing", "--dropout-masks", "per-process"), ()),
         ((*MATRYOSHKA, "--no-gather"), MATRYOSHKA),
         (MATRYOSHKA, ()),
+        (PROMPTS, ()),
     ],
     ids=[
         "per-process-dropout",
@@ -118,6 +121,7 @@ def retrieval(run: Path) -> dict[str, float]:
         "checkpointing-per-process-dropout",
         "matryoshka-local-negatives",
         "matryoshka-is-another-objective",
+        "prompts-are-other-texts",
     ],  # fmt: skip
 )
 def test_control_each_mechanism_removed_breaks_it(runs, control, reference_flags):
@@ -191,6 +195,38 @@ def test_final_loads_in_transformers_and_sentence_transformers_and_embeds_alike(
     errors = (reference - hf).abs().max().item(), (reference - embedded).abs().max().item()
     print(f"final/ round trip: AutoModel {errors[0]:.1e}, SentenceTransformer {errors[1]:.1e}")
     assert max(errors) <= 1e-6
+
+
+def test_the_prompts_are_the_sentence_transformers_exports_own(runs):
+    """A run with ``--prompts``: final/sentence_transformer names them (its
+    ``config_sentence_transformers.json``), and ``encode(texts, prompt_name=column)``
+    embeds what the trained tower embeds from the prompted texts (1e-6)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    from models.text import TextPairModel, TextTower, load_text_encoder
+
+    final = runs(1, *PROMPTS) / "final"
+    described = json.loads((final / "sentence_transformer" /
+                            "config_sentence_transformers.json").read_text())  # fmt: skip
+    prompts = {"anchor": "query: ", "positive": "passage: "}
+    # sentence-transformers adds its empty "query" and "document" prompts beside them.
+    assert prompts.items() <= described["prompts"].items()
+    tokenizer = AutoTokenizer.from_pretrained(final / "tower0")
+    encoder, _ = load_text_encoder(str(final / "tower0"), torch.float64)
+    ours = TextPairModel([TextTower(encoder, "mean")]).double()
+    ours.load_state_dict(load_file(final / "model.safetensors"))
+    st = SentenceTransformer(str(final / "sentence_transformer"), device="cpu")
+    texts = ["red cat runs", "a stone near the river"]
+    for column, prompt in prompts.items():
+        tokens = tokenizer([prompt + text for text in texts], padding=True, truncation=True,
+                           max_length=8, return_tensors="pt")  # fmt: skip
+        with torch.no_grad():
+            reference = ours.eval()([(tokens["input_ids"], tokens["attention_mask"])])
+        embedded = st.encode(texts, prompt_name=column, convert_to_tensor=True).double()
+        error = (reference - embedded).abs().max().item()
+        print(f"--prompts {column}: SentenceTransformer with prompt_name vs ours: {error:.1e}")
+        assert error <= 1e-6
 
 
 def test_two_identical_runs_write_the_same_final_files(runs, data, tmp_path):
@@ -309,6 +345,7 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
         (["--columns", COLUMNS, "--max-length", "80"], "--max-length 80: --text-model"),
         ("small-vocabulary", "tokens, more than the model's vocabulary of 50"),
         (["--columns", COLUMNS, "--matryoshka-dims", "32,8"], "matryoshka dims 32,8: each must"),
+        (["--columns", COLUMNS, "--prompts", "query=q: "], "--prompts: query is not a column"),
     ],
     ids=[
         "missing-column",
@@ -318,6 +355,7 @@ def test_two_towers_save_each_tower_and_a_query_document_sentence_transformer(ru
         "longer-than-the-positions",
         "tokenizer-beyond-the-vocabulary",
         "matryoshka-wider-than-the-embeddings",
+        "a-prompt-for-no-column",
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line_on_every_rank(data, tmp_path, flags, message):

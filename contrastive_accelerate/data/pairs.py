@@ -352,12 +352,15 @@ class PairBatch(NamedTuple):
 
 class TextColumns(torch.utils.data.Dataset):
     """Items are ``(epoch, index)``: row ``index``'s columns tokenized (truncated to
-    ``max_length``; a list of texts gives the one ``caption_of`` draws)."""
+    ``max_length``; a list of texts gives the one ``caption_of`` draws), each after its
+    column's prompt (``prompts``, by column name; none: no prefix)."""
 
     def __init__(
-        self, dataset, columns: tuple[str, ...], tokenizer, max_length: int, seed: int = 0
-    ) -> None:
+        self, dataset, columns: tuple[str, ...], tokenizer, max_length: int, seed: int = 0,
+        prompts: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.dataset, self.columns, self.seed = dataset, columns, seed
+        self.prefixes = [(prompts or {}).get(column, "") for column in columns]
         self.tokenizer, self.max_length = tokenizer, max_length
         self.pad_id = tokenizer.pad_token_id
 
@@ -378,7 +381,8 @@ class TextColumns(torch.utils.data.Dataset):
 
     def item(self, row: dict, epoch: int, index: int) -> tuple[list[list[int]], int]:
         """Sample ``(epoch, index)`` from its ``row``: of a table, or of a stream."""
-        texts = [caption_of(row[column], self.seed, epoch, index) for column in self.columns]
+        texts = [prefix + caption_of(row[column], self.seed, epoch, index)
+                 for prefix, column in zip(self.prefixes, self.columns, strict=True)]  # fmt: skip
         encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
         return encoded["input_ids"], index
 

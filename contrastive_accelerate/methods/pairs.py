@@ -66,6 +66,9 @@ class PairsOptions:
         None, 'image-text: zero-shot evaluation with e.g. "a photo of a {}"', resume="free"
     )
     attention_mask: bool = option(True, "pairs: --no-attention-mask attends to the padding")
+    prompts: str | tuple[str, ...] | None = option(
+        None, 'text pairs: "COLUMN=PROMPT", the column\'s prefix ("anchor=query: "); repeatable'
+    )
     lora_towers: str = option(
         "both", "LoRA: the transformers towers it adapts", choices=("both", "text", "image")
     )
@@ -82,6 +85,23 @@ class MatryoshkaOptions:
     matryoshka_weights: str | None = option(
         None, "pairs: each --matryoshka-dims term's weight; none: 1 each"
     )
+
+
+def prompts_of(config) -> dict[str, str]:
+    """``--prompts`` by column name (each "COLUMN=PROMPT", split at the first "="),
+    checked against ``--columns``; empty when none are given."""
+    given = config.prompts if isinstance(config.prompts, tuple) else (config.prompts,)
+    prompts: dict[str, str] = {}
+    for entry in filter(None, given):
+        column, equals, prompt = entry.partition("=")
+        if not equals or not column.strip() or column.strip() in prompts:
+            raise ConfigError(f"--prompts {entry!r}: give COLUMN=PROMPT, once per column")
+        prompts[column.strip()] = prompt
+    every = config.columns if isinstance(config.columns, tuple) else (config.columns or "",)
+    columns = {name for value in every for name in split_columns(value)}
+    if unknown := sorted(set(prompts) - columns):
+        raise ConfigError(f"--prompts: {', '.join(unknown)} is not a column of --columns")
+    return prompts
 
 
 def matryoshka_terms(config) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
@@ -231,6 +251,7 @@ def check(config) -> None:
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
     matryoshka_terms(config)
+    prompts_of(config)
     if not config.lora_rank and is_set(config, "lora_towers"):
         raise ConfigError("--lora-towers applies with --lora-rank")
     image_tower = config.image_model or config.clip_model or config.timm_model
@@ -306,7 +327,7 @@ def held_out_pairs(config, data: PairData | MixedPairs) -> PairData:
 
 
 #: What image-text pairs never read (one tower per kind, InfoNCE or SigLIP): set, refused.
-TEXT_PAIR_OPTIONS = ("two_towers", *options_of(TEXT_PAIR_LOSSES))
+TEXT_PAIR_OPTIONS = ("two_towers", "prompts", *options_of(TEXT_PAIR_LOSSES))
 #: The learnable scale of image-text pairs, and SigLIP's bias.
 SCALE_OPTIONS = options_of(IMAGE_TEXT_LOSSES)
 

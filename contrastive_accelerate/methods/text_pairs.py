@@ -22,6 +22,7 @@ from contrastive_accelerate.methods.pairs import (
     embed_texts,
     first_texts,
     matryoshka_terms,
+    prompts_of,
     say_truncated,
     text_dropout,
     text_encoder,
@@ -68,18 +69,20 @@ class TextPairsMethod(PairsMethod):
         if config.two_towers:  # the query and document towers start as one
             towers.append(copy.deepcopy(towers[0]))
         tokenizers = [tokenizer] * len(towers)
-        self.model = TextPairModel(towers, tokenizers, max_length=config.max_length)
+        self.prompts = prompts_of(config)  # each column's prefix, in training and evaluation
+        self.model = TextPairModel(towers, tokenizers, max_length=config.max_length,
+                                   prompts=self.prompts)  # fmt: skip
         say_truncated(data, data.columns, tokenizer, config.max_length, say)
         if isinstance(data, MixedPairs):  # each source its own columns
             self.dataset = Mixture(
                 [TextColumns(source.train, source.columns, tokenizer, config.max_length,
-                             config.seed) for source in data.sources],
+                             config.seed, self.prompts) for source in data.sources],
                 data.names,
                 data.weights,
             )  # fmt: skip
         else:
             self.dataset = TextColumns(
-                data.train, data.columns, tokenizer, config.max_length, config.seed
+                data.train, data.columns, tokenizer, config.max_length, config.seed, self.prompts
             )
         self.evaluation, self.columns = data.evaluation, data.columns
         self.tokenizer, self.max_length = tokenizers[0], config.max_length
@@ -118,7 +121,9 @@ class TextPairsMethod(PairsMethod):
         (``retrieval_mrr@10``, ``retrieval_recall@k``), sharded across ranks."""
         if self.evaluation is None:
             return {}
-        anchors, positives = (first_texts(self.evaluation[c]) for c in self.columns[:2])
+        anchors, positives = ([self.prompts.get(c, "") + text
+                               for text in first_texts(self.evaluation[c])]
+                              for c in self.columns[:2])  # fmt: skip
         model, device = self.model, next(self.model.parameters()).device
         model.eval()
         try:
