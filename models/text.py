@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,7 +27,9 @@ from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 from models.vision import PretrainedImageModel
 
-POOLINGS = ("cls", "mean")
+#: The poolings of a tower: the first token, the masked mean (sentence-transformers'
+#: default), the masked maximum, and the last token (decoder embedders').
+POOLINGS = ("cls", "mean", "max", "lasttoken")
 #: ``--text-model scratch``: a small BERT from random weights, a word-level vocabulary.
 SCRATCH = "scratch"
 SCRATCH_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -126,12 +128,15 @@ def freeze_pooler(encoder: nn.Module) -> None:
 
 
 class TextTower(nn.Module):
-    """A ``transformers`` encoder, its last hidden states pooled (``cls``: the first
-    token's; ``mean``: the mean over the attention mask's tokens, sentence-transformers'
-    mean pooling) and, with ``projection_dim``, a linear projection (with bias).
+    """A ``transformers`` encoder, its last hidden states pooled as sentence-transformers'
+    ``Pooling`` does (``cls``: the first token's; ``mean``: the mean over the attention
+    mask's tokens; ``max``: their maximum; ``lasttoken``: the last one's), then a
+    sentence-transformers folder's ``dense`` layers (``models.sentence_folder``), with
+    ``projection_dim`` a linear projection (with bias), and with ``normalize`` unit length.
 
     Padding does not change a text's embedding: attention masks keep pad tokens out of
-    attention and pooling. ``use_attention_mask=False`` is the negative control.
+    attention and pooling (the batches pad on the right). ``use_attention_mask=False`` is
+    the negative control.
     """
 
     def __init__(
@@ -141,18 +146,27 @@ class TextTower(nn.Module):
         projection_dim: int | None = None,
         *,
         use_attention_mask: bool = True,
+        dense: nn.Sequential | None = None,
+        normalize: bool = False,
     ) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         self.encoder, self.pooling = encoder, pooling
-        self.use_attention_mask = use_attention_mask
-        hidden = encoder.config.hidden_size
-        self.projection = nn.Linear(hidden, projection_dim) if projection_dim else None
+        self.use_attention_mask, self.normalize = use_attention_mask, normalize
+        self.dense = dense
+        width = self.dense_dim
+        self.projection = nn.Linear(width, projection_dim) if projection_dim else None
+
+    @property
+    def dense_dim(self) -> int:
+        """The width after pooling and the ``dense`` layers."""
+        linears = [m for m in self.dense or () if isinstance(m, nn.Linear)]
+        return linears[-1].out_features if linears else self.encoder.config.hidden_size
 
     @property
     def output_dim(self) -> int:
-        return self.projection.out_features if self.projection else self.encoder.config.hidden_size
+        return self.projection.out_features if self.projection else self.dense_dim
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         if len(input_ids) == 0:
@@ -163,12 +177,26 @@ class TextTower(nn.Module):
                 return self(*one_row)[:0]
         mask = attention_mask if self.use_attention_mask else None
         hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        if self.pooling == "cls":
-            pooled = hidden[:, 0]
-        else:
-            weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
-            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
-        return self.projection(pooled) if self.projection is not None else pooled
+        pooled = pool(hidden, attention_mask, self.pooling)
+        if self.dense is not None:
+            pooled = self.dense(pooled)
+        if self.projection is not None:
+            pooled = self.projection(pooled)
+        return torch.nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Token states ``(n, L, d)`` as one row each, as sentence-transformers' ``Pooling``
+    computes them, the padding (on the right, mask 0) left out."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    if pooling == "mean":
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+    if pooling == "max":
+        return hidden.masked_fill(weights == 0, torch.finfo(hidden.dtype).min).amax(dim=1)
+    last = (attention_mask.sum(dim=1) - 1).clamp(min=0)  # lasttoken
+    return hidden[torch.arange(len(hidden), device=hidden.device), last]
 
 
 class TextPairModel(nn.Module):
@@ -356,14 +384,24 @@ def save_weights(model: nn.Module, directory: str) -> None:
     save_file(state, os.path.join(directory, "model.safetensors"))
 
 
+class TowerHead(NamedTuple):
+    """What a tower stacks on its encoder, for its sentence-transformers export."""
+
+    hidden: int
+    pooling: str
+    projection: nn.Linear | None
+    dense: nn.Sequential | None = None
+    normalize: bool = False
+
+
 def save_towers(
     directory: str, towers, tokenizers, config: dict, whole: Whole = contextlib.nullcontext
-) -> list[tuple[int, str, nn.Linear | None]]:
+) -> list[TowerHead]:
     """Each text tower's encoder and tokenizer in ``tower<i>/`` (``save_pretrained``; an
     adapted encoder merged there, its LoRA adapter in ``adapter<i>/``), one at a time
     inside ``whole(tower)``, and ``config.json`` describing the towers. Returns each
-    tower's head for ``export_sentence_transformer``: its width, pooling and a copy of
-    its projection."""
+    tower's head for ``export_sentence_transformer``: its width, pooling, copies of its
+    projection and dense layers, and whether it normalises."""
     os.makedirs(directory, exist_ok=True)
     described, heads = [], []
     for index, tower in enumerate(towers):
@@ -374,10 +412,12 @@ def save_towers(
                 save_adapted(tower.encoder, path, os.path.join(directory, adapter))
             else:
                 save_without_code(tower.encoder, path, safe_serialization=True)
-            projection = copy.deepcopy(tower.projection)  # small: kept past the tower
+            # Small: kept past the tower (a sharded model's weights are whole only here).
+            projection, dense = copy.deepcopy(tower.projection), copy.deepcopy(tower.dense)
         if index < len(tokenizers):
             save_without_code(tokenizers[index], path)
-        heads.append((tower.encoder.config.hidden_size, tower.pooling, projection))
+        heads.append(TowerHead(tower.encoder.config.hidden_size, tower.pooling, projection,
+                               dense, tower.normalize))  # fmt: skip
         width = tower.projection.out_features if tower.projection is not None else None
         described.append({"path": TOWER_DIR.format(index), "pooling": tower.pooling,
                           "projection": width, "adapter": adapter})  # fmt: skip
@@ -387,24 +427,25 @@ def save_towers(
 
 
 def export_sentence_transformer(
-    heads: Sequence[tuple[int, str, nn.Linear | None]],
+    heads: Sequence[TowerHead],
     tower_dirs: Sequence[str],
     directory: str,
     max_length: int | None,
     prompts: dict[str, str] | None = None,
 ) -> bool:
     """The towers saved in ``tower_dirs`` as a ``SentenceTransformer`` saved in
-    ``directory``: each encoder, read back from its directory, its pooling and its
-    projection as a ``Dense`` without activation (``heads``: each tower's width, pooling
-    and projection, as ``save_towers`` returns them); two towers as a ``Router`` of the
-    query (anchor) and document towers, which ``encode_query`` and ``encode_document``
-    take; ``prompts`` by name (``encode(texts, prompt_name=...)``, in its
-    ``config_sentence_transformers.json``). Returns False (and writes nothing) when
-    sentence-transformers is not installed."""
+    ``directory``: each encoder, read back from its directory, its pooling, its dense
+    layers as ``Dense`` with their activations, its projection as a ``Dense`` without
+    one, and ``Normalize`` if it normalises (``heads``, as ``save_towers`` returns
+    them); two towers as a ``Router`` of the query (anchor) and document towers, which
+    ``encode_query`` and ``encode_document`` take; ``prompts`` by name (``encode(texts,
+    prompt_name=...)``, in its ``config_sentence_transformers.json``). Returns False
+    (and writes nothing) when sentence-transformers is not installed."""
     try:
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.sentence_transformer.modules import (
             Dense,
+            Normalize,
             Pooling,
             Router,
             Transformer,
@@ -412,19 +453,22 @@ def export_sentence_transformer(
     except ImportError:
         return False
 
-    def modules(head: tuple[int, str, nn.Linear | None], path: str) -> list[nn.Module]:
-        hidden, pooling, projection = head
-        stack = [Transformer(path, max_seq_length=max_length), Pooling(hidden, pooling)]
-        if projection is not None:
-            stack.append(
-                Dense(
-                    hidden,
-                    projection.out_features,
-                    activation_function=nn.Identity(),
-                    init_weight=projection.weight.detach().clone(),
-                    init_bias=projection.bias.detach().clone(),
-                )
-            )
+    def as_dense(linear: nn.Linear, activation: nn.Module) -> nn.Module:
+        return Dense(
+            linear.in_features, linear.out_features, bias=linear.bias is not None,
+            activation_function=activation, init_weight=linear.weight.detach().clone(),
+            init_bias=None if linear.bias is None else linear.bias.detach().clone(),
+        )  # fmt: skip
+
+    def modules(head: TowerHead, path: str) -> list[nn.Module]:
+        stack = [Transformer(path, max_seq_length=max_length), Pooling(head.hidden, head.pooling)]
+        layers = list(head.dense or ())  # Linear, activation, Linear, activation...
+        pairs = zip(layers[::2], layers[1::2], strict=True)
+        stack += [as_dense(linear, activation) for linear, activation in pairs]
+        if head.projection is not None:
+            stack.append(as_dense(head.projection, nn.Identity()))
+        if head.normalize:
+            stack.append(Normalize())
         return stack
 
     stacks = [modules(head, path) for head, path in zip(heads, tower_dirs, strict=True)]

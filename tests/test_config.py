@@ -115,6 +115,8 @@ def test_derived_defaults_are_resolved_in_one_place():
         "lora_target_modules",
         "matryoshka_dims",
         "matryoshka_weights",
+        "max_length",  # pairs': the folder's or 128, resolved by its row
+        "text_pooling",
         "prompts",
         "zero_shot_template",
         "eval_dataset",

@@ -6,6 +6,7 @@ here: the row of ``METHODS``, the text tower and the texts' helpers."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ from models import convert_sample_dropout, sample_randomness
 from models.checkpointing import checkpoint_transformer_layers
 from models.dropout import switch_off_kernel_dropout
 from models.lora import LoRAOptions
+from models.sentence_folder import SentenceFolder, read_sentence_folder
 from models.text import POOLINGS
 from models.towers import IMAGE_TOWER_KINDS, TOWER_KINDS, TowerOptions
 
@@ -57,8 +59,13 @@ class PairsOptions:
     columns: str | tuple[str, ...] | None = option(
         None, "pairs: anchor,positive[,negative...]; one for all --dataset or one each"
     )
-    text_pooling: str = option("mean", "pairs: masked mean or the first token", choices=POOLINGS)
-    max_length: int = option(128, "pairs: tokens per text, longer ones truncated", at_least=2)
+    text_pooling: str | None = option(
+        None, "pairs: the token states' pooling; none: the folder's (modules.json), else mean",
+        choices=POOLINGS,
+    )  # fmt: skip
+    max_length: int | None = option(
+        None, "pairs: tokens per text; none: the folder's max_seq_length, else 128", at_least=2
+    )
     two_towers: bool = option(False, "pairs: one tower for the anchors, one for the rest")
     unique_texts: bool = option(False, "pairs: no text twice in a global batch")
     projection_dim: int = option(0, "pairs: a linear projection's width; 0: none", at_least=0)
@@ -239,10 +246,22 @@ def defaults(config) -> dict[str, Any]:
     values: dict[str, Any] = {"optimizer": "adamw"}
     if config.text_model != "scratch":
         values["lr"] = 5e-5
+    # A sentence-transformers folder's own pooling and length, unless a flag overrides them.
+    folder = sentence_folder(config)
+    values["text_pooling"] = folder.pooling if folder else "mean"
+    values["max_length"] = (folder.max_seq_length if folder else None) or 128
     loss = config.loss or IMAGE_TEXT_LOSSES[0]  # the data decide between mnrl and infonce
     if loss in INITIAL_LOGIT_SCALE and not config.clip_model:  # a checkpoint has its own
         values["logit_scale_init"] = INITIAL_LOGIT_SCALE[loss]
     return values
+
+
+def sentence_folder(config) -> SentenceFolder | None:
+    """``--text-model``'s sentence-transformers stack (``models.sentence_folder``), or
+    None for a plain transformers folder, a hub name or ``scratch``."""
+    if not config.text_model or config.text_model == "scratch":
+        return None
+    return read_sentence_folder(config.text_model)
 
 
 def check(config) -> None:
@@ -380,9 +399,13 @@ def text_encoder(config, data: PairData, columns):
     else:
         if reason := unreachable_reason(config.text_model, "models"):
             raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
-        encoder, tokenizer = TOWER_KINDS["text"].load(config.text_model, DTYPES[config.dtype])
+        folder = sentence_folder(config)  # a sentence-transformers folder's model: its own
+        path = os.path.join(config.text_model, folder.transformer) if folder else config.text_model
+        encoder, tokenizer = TOWER_KINDS["text"].load(path, DTYPES[config.dtype])
         check_text_model_limits(config, encoder, tokenizer)
     digests = {"text_model": text_model_digests(encoder, tokenizer)}
+    if folder := sentence_folder(config):
+        digests["text_model"]["stack"] = folder_digest(folder)
     return adapted(encoder, config, "text", "--text-model"), tokenizer, digests
 
 
@@ -439,6 +462,45 @@ def weights_digest(encoder: nn.Module) -> str:
     config = {key: value for key, value in encoder.config.to_dict().items()
               if key not in ("_name_or_path", "transformers_version")}  # fmt: skip
     return content_digest(encoder.state_dict(), config)
+
+
+def folder_prompts(folder: SentenceFolder | None, columns: Sequence[str]) -> dict[str, str]:
+    """A sentence-transformers folder's prompts as the columns': its "query" prompt the
+    anchors' (the first column), its "document" prompt every other column's."""
+    if folder is None:
+        return {}
+    named = {columns[0]: folder.prompts.get("query", "")}
+    named |= {column: folder.prompts.get("document", "") for column in columns[1:]}
+    return {column: prompt for column, prompt in named.items() if prompt}
+
+
+def say_overridden(config, folder: SentenceFolder | None, say: Say) -> None:
+    """One notice for each of a sentence-transformers folder's settings that a flag
+    overrides (its pooling, its max_seq_length, its prompts)."""
+    if folder is None:
+        return
+    overridden = [
+        (name, ours, theirs)
+        for name, ours, theirs in (
+            ("text_pooling", config.text_pooling, folder.pooling),
+            ("max_length", config.max_length, folder.max_seq_length),
+            ("prompts", prompts_of(config), folder.prompts),
+        )
+        if is_set(config, name) and theirs and ours != theirs
+    ]
+    for name, ours, theirs in overridden:
+        say(f"notice: {flag(name)} {ours} overrides --text-model's own {theirs} "
+            f"({config.text_model})")  # fmt: skip
+
+
+def folder_digest(folder: SentenceFolder) -> str:
+    """The content digest of what a sentence-transformers folder stacks on its model."""
+    tensors = {f"dense.{i}.{name}": tensor for i, dense in enumerate(folder.dense)
+               for name, tensor in (("weight", dense.weight), ("bias", dense.bias))
+               if tensor is not None}  # fmt: skip
+    described = {"pooling": folder.pooling, "normalize": folder.normalize,
+                 "activations": [dense.activation for dense in folder.dense]}  # fmt: skip
+    return content_digest(tensors, described)
 
 
 def check_text_model_limits(config, encoder: nn.Module, tokenizer) -> None:

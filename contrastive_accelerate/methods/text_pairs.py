@@ -21,9 +21,12 @@ from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     embed_texts,
     first_texts,
+    folder_prompts,
     matryoshka_terms,
     prompts_of,
+    say_overridden,
     say_truncated,
+    sentence_folder,
     text_dropout,
     text_encoder,
 )
@@ -59,19 +62,27 @@ class TextPairsMethod(PairsMethod):
 
         self.seed, self.unique_texts = config.seed, config.unique_texts
         encoder, tokenizer, self.inputs = text_encoder(config, data, data.columns)
+        folder = sentence_folder(config)  # a sentence-transformers folder's own stack
         tower = TextTower(
             encoder,
             config.text_pooling,
             config.projection_dim or None,
             use_attention_mask=config.attention_mask,
+            dense=folder.dense_layers(DTYPES[config.dtype]) if folder else None,
+            normalize=folder.normalize if folder else False,
         ).to(DTYPES[config.dtype])
         towers = [text_dropout(tower, tokenizer, config, world_size, say)]
         if config.two_towers:  # the query and document towers start as one
             towers.append(copy.deepcopy(towers[0]))
         tokenizers = [tokenizer] * len(towers)
-        self.prompts = prompts_of(config)  # each column's prefix, in training and evaluation
+        # Each column's prefix, in training and evaluation: --prompts, else the folder's.
+        self.prompts = prompts_of(config) or folder_prompts(folder, data.columns)
+        say_overridden(config, folder, say)
+        # The export names the prompts by column, and keeps the folder's own names too
+        # (encode_query, encode_document) unless --prompts replaced them.
+        named = folder.prompts if folder and not prompts_of(config) else {}
         self.model = TextPairModel(towers, tokenizers, max_length=config.max_length,
-                                   prompts=self.prompts)  # fmt: skip
+                                   prompts={**named, **self.prompts})  # fmt: skip
         say_truncated(data, data.columns, tokenizer, config.max_length, say)
         if isinstance(data, MixedPairs):  # each source its own columns
             self.dataset = Mixture(
