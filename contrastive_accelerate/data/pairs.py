@@ -66,6 +66,11 @@ class PairData:
         return tuple(column for column in self.columns if column != self.image_column)
 
 
+def split_columns(value: str) -> tuple[str, ...]:
+    """``--columns a,b,c`` as its names."""
+    return tuple(column.strip() for column in value.split(","))
+
+
 def load_pair_dataset(
     name: str | None, columns: tuple[str, ...], *, config_name: str | None = None,
     split: str = "train", image_column: str | None = None, label_column: str | None = None,

@@ -36,7 +36,6 @@ from contrastive_accelerate.methods.pairs import (
     first_texts,
     freeze_unreached,
     held_out_pairs,
-    matryoshka_terms,
     say_truncated,
     text_dropout,
     text_encoder,
@@ -44,6 +43,7 @@ from contrastive_accelerate.methods.pairs import (
     tower_dropout,
     weights_digest,
 )
+from contrastive_accelerate.methods.sentence_tools import matryoshka_terms
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import SimCLR, sample_keys

@@ -21,14 +21,16 @@ from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     embed_texts,
     first_texts,
+    say_truncated,
+    text_dropout,
+    text_encoder,
+)
+from contrastive_accelerate.methods.sentence_tools import (
     folder_prompts,
     matryoshka_terms,
     prompts_of,
     say_overridden,
-    say_truncated,
     sentence_folder,
-    text_dropout,
-    text_encoder,
 )
 from contrastive_accelerate.retrieval import paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
