@@ -215,6 +215,13 @@ class SyncBatchNorm(BatchNormBase):
         return output
 
 
+def has_batch_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` normalises by batch statistics (a BatchNorm, synchronised or
+    not): an idle rank must then run its no rows as they are, since one stand-in row
+    would count in the global batch's statistics."""
+    return any(isinstance(m, BatchNormBase) for m in module.modules())
+
+
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     """Replace every BatchNorm{1,2,3}d in ``module`` by ``SyncBatchNorm``, keeping its state."""
     if isinstance(module, BatchNormBase) and not isinstance(module, SyncBatchNorm):

@@ -27,6 +27,7 @@ from torch import nn
 from contrastive_accelerate.untrusted import read_json
 from models.dropout import sample_randomness
 from models.lora import is_adapted
+from models.sync_batchnorm import has_batch_statistics
 from models.vision import DATA_MEAN, DATA_STD
 
 #: What a weights file may be: safetensors (nothing in it runs on reading).
@@ -74,8 +75,9 @@ class TimmTower(nn.Module):
         return int(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224))[-1])
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if len(images) == 0:
-            # An idle rank: DDP needs every parameter in this rank's graph. One image, kept none.
+        if len(images) == 0 and not has_batch_statistics(self):
+            # An idle rank: DDP needs every parameter in this rank's graph, and a ViT cannot
+            # run no rows. One image, kept none (a tower with BatchNorm runs its no rows).
             with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
                 return self(images.new_zeros((1, *images.shape[1:])))[:0]
         return self.encoder(images * self.scale.to(images.dtype) + self.shift.to(images.dtype))

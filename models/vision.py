@@ -20,6 +20,7 @@ from torch import nn
 from models.dropout import sample_randomness
 from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
+from models.sync_batchnorm import has_batch_statistics
 from models.towers import IMAGE_POOLINGS
 
 #: The data's normalisation (``contrastive_accelerate.data.NORMALIZE``): pixels in [-1, 1].
@@ -107,11 +108,14 @@ class VisionTower(nn.Module):
     @property
     def output_dim(self) -> int:
         config = self.encoder.config
+        if sizes := getattr(config, "hidden_sizes", None):  # a convolutional model's stages
+            return sizes[-1]
         return getattr(config, "hidden_size", None) or config.vision_config.hidden_size
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if len(images) == 0:
-            # An idle rank: DDP needs every parameter in this rank's graph. One image, kept none.
+        if len(images) == 0 and not has_batch_statistics(self):
+            # An idle rank: DDP needs every parameter in this rank's graph, and a ViT cannot
+            # run no rows. One image, kept none (a tower with BatchNorm runs its no rows).
             with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
                 return self(images.new_zeros((1, *images.shape[1:])))[:0]
         pixels = images * self.scale.to(images.dtype) + self.shift.to(images.dtype)
@@ -123,7 +127,7 @@ class VisionTower(nn.Module):
                     f"{type(self.encoder).__name__} has no pooled output: use "
                     "--image-pooling cls or mean"
                 )
-            return output.pooler_output
+            return output.pooler_output.flatten(1)  # a ResNet's is (n, C, 1, 1)
         hidden = output.last_hidden_state
         if self.pooling == "cls":
             return hidden[:, 0]

@@ -653,14 +653,21 @@ def make_vision_model(
     drop_path: float = 0.0,
 ) -> Path:  # fmt: skip
     """A tiny ``ViTModel`` (or ``Dinov2Model``: ``kind`` "dinov2", with stochastic depth
-    ``drop_path``) from its config (random weights, patches of 4 pixels, a pooler) and an
-    image processor with CLIP's mean and standard deviation, configured in code and
-    saved together: what ``--image-model`` loads, with nothing downloaded."""
+    ``drop_path``; or a convolutional ``ConvNextModel`` or ``ResNetModel``, with
+    BatchNorm: ``kind`` "convnext", "resnet", two stages of 8 and 16 channels) from its
+    config (random weights, patches of 4 pixels, a pooler) and an image processor with
+    CLIP's mean and standard deviation, configured in code and saved together: what
+    ``--image-model`` loads, with nothing downloaded."""
     import torch
     from transformers import (
         BitImageProcessor,
+        ConvNextConfig,
+        ConvNextImageProcessor,
+        ConvNextModel,
         Dinov2Config,
         Dinov2Model,
+        ResNetConfig,
+        ResNetModel,
         ViTConfig,
         ViTImageProcessor,
         ViTModel,
@@ -672,7 +679,17 @@ def make_vision_model(
     normalisation = {"image_mean": [0.4815, 0.4578, 0.4082],
                      "image_std": [0.2686, 0.2613, 0.2758]}  # fmt: skip
     torch.manual_seed(0)
-    if kind == "dinov2":
+    if kind in ("convnext", "resnet"):
+        stages = {"hidden_sizes": [8, 16], "depths": [1, 1]}
+        model = (
+            ConvNextModel(ConvNextConfig(**stages, num_stages=2, patch_size=2))
+            if kind == "convnext"
+            else ResNetModel(ResNetConfig(**stages, embedding_size=8))
+        )
+        model.save_pretrained(root)
+        processor = ConvNextImageProcessor(size={"shortest_edge": image_size},
+                                           crop_pct=1.0, **normalisation)  # fmt: skip
+    elif kind == "dinov2":
         Dinov2Model(Dinov2Config(**sizes, mlp_ratio=2, drop_path_rate=drop_path)).save_pretrained(
             root
         )
