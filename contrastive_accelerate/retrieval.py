@@ -69,3 +69,63 @@ def _max_over_ranks(value: int, device) -> int:
     tensor = torch.tensor(value, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor)
+
+
+#: The cut-offs of ``ranked_retrieval``'s figures (sentence-transformers'
+#: ``InformationRetrievalEvaluator`` names and defaults).
+NDCG_AT, MRR_AT = 10, 10
+
+
+def ranked_retrieval(
+    embed_queries: Callable[[Sequence[int]], torch.Tensor],
+    embed_corpus: Callable[[Sequence[int]], torch.Tensor],
+    relevant: Sequence[set[int]],
+    corpus_count: int,
+    device: torch.device | str = "cpu",
+    batch_size: int = 256,
+) -> dict[str, float]:
+    """``ndcg@10``, ``mrr@10`` and ``recall@k`` (k in 1, 5, 10) of each query against a
+    corpus with relevance judgements (``relevant[q]``: the corpus rows relevant to query
+    q, binary), by cosine similarity, as sentence-transformers'
+    ``InformationRetrievalEvaluator`` computes them: ties broken by the corpus row (its
+    rows in ascending id order), recall@k the share of a query's relevant rows in its top
+    k, nDCG with binary gains. Queries and corpus are embedded sharded over the ranks,
+    the corpus gathered, each rank ranking its own queries, one all-reduce: the same
+    figures on any number of processes. Call it on every rank."""
+    rank, world_size = rank_and_world_size()
+
+    def embedded(embed, count: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        share = torch.arange(count).tensor_split(world_size)[rank]
+        # As many batches on every rank, some empty: a sharded model's forward is a collective.
+        rounds = math.ceil(math.ceil(count / world_size) / batch_size)
+        batches = [share[i * batch_size : (i + 1) * batch_size].tolist() for i in range(rounds)]
+        parts = [F.normalize(embed(batch).float(), dim=1) for batch in batches]
+        return (torch.cat(parts) if parts else None), share
+
+    queries, mine = embedded(embed_queries, len(relevant))
+    corpus, _ = embedded(embed_corpus, corpus_count)
+    width = _max_over_ranks(max(x.shape[1] if x is not None else 0 for x in (queries, corpus)),
+                            device)  # fmt: skip
+    empty = torch.zeros(0, width, device=device)
+    queries = empty if queries is None else queries
+    corpus = all_gather_rows(empty if corpus is None else corpus)
+    sums = torch.zeros(2 + len(RECALL_AT), dtype=torch.float64, device=device)
+    top = min(max(NDCG_AT, MRR_AT, *RECALL_AT), corpus_count)
+    discounts = 1 / torch.log2(torch.arange(2, top + 2, dtype=torch.float64, device=device))
+    for row, query in enumerate(mine.tolist()):
+        scores = corpus @ queries[row]
+        # Stable: among equal scores the lower corpus row (id) first, as the peer sorts.
+        order = torch.sort(scores, descending=True, stable=True).indices[:top].tolist()
+        hits = torch.tensor([float(doc in relevant[query]) for doc in order],
+                            dtype=torch.float64, device=device)  # fmt: skip
+        ideal = discounts[: min(len(relevant[query]), NDCG_AT)].sum()
+        sums[0] += (hits[:NDCG_AT] * discounts[:NDCG_AT]).sum() / ideal
+        first = torch.nonzero(hits[:MRR_AT]).flatten()
+        sums[1] += 1 / (first[0].item() + 1) if len(first) else 0.0
+        for i, k in enumerate(RECALL_AT, start=2):
+            sums[i] += hits[:k].sum() / len(relevant[query])
+    if world_size > 1:
+        dist.all_reduce(sums)
+    figures = (sums / max(len(relevant), 1)).tolist()
+    return {f"ndcg@{NDCG_AT}": figures[0], f"mrr@{MRR_AT}": figures[1],
+            **{f"recall@{k}": figures[i] for i, k in enumerate(RECALL_AT, start=2)}}  # fmt: skip

@@ -440,6 +440,35 @@ def make_sentence_pairs(path: Path, count: int, negatives: int = 1, seed: int = 
     return path
 
 
+def make_beir(root: Path, queries: int, distractors: int, seed: int = 7) -> Path:
+    """A retrieval benchmark in BEIR's format in ``root``: ``queries`` queries, each
+    relevant to its paraphrase in the corpus (every third one to the next query's too, a
+    score of 2; one judged 0), beside ``distractors`` unrelated documents with titles."""
+    import json
+
+    generator = np.random.default_rng(seed)
+
+    def sentence() -> list[str]:
+        return list(generator.choice(WORDS, size=int(generator.integers(3, 9))))
+
+    texts = [sentence() for _ in range(queries)]
+    corpus = [{"_id": f"d{i:03d}", "title": "", "text": " ".join(generator.permutation(t))}
+              for i, t in enumerate(texts)]  # fmt: skip
+    corpus += [{"_id": f"x{i:03d}", "title": str(generator.choice(WORDS)),
+                "text": " ".join(sentence())} for i in range(distractors)]  # fmt: skip
+    qrels = [(f"q{i:03d}", f"d{i:03d}", 1) for i in range(queries)]
+    qrels += [(f"q{i:03d}", f"d{i + 1:03d}", 2) for i in range(0, queries - 1, 3)]
+    qrels.append(("q000", "x000", 0))
+    (root / "qrels").mkdir(parents=True, exist_ok=True)
+    for name, rows in (("corpus", corpus),
+                       ("queries", [{"_id": f"q{i:03d}", "text": " ".join(t)}
+                                    for i, t in enumerate(texts)])):  # fmt: skip
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lines = ["query-id\tcorpus-id\tscore", *("\t".join(map(str, row)) for row in qrels)]
+    (root / "qrels" / "test.tsv").write_text("\n".join(lines) + "\n")
+    return root
+
+
 def make_text_pair_shards(root: Path, sizes: list[int], format: str = "jsonl") -> Path:
     """``root`` holding one shard per entry of ``sizes`` (that many rows of
     ``make_sentence_pairs``, each shard its own seed), as jsonl or parquet files."""

@@ -42,7 +42,9 @@ from contrastive_accelerate.methods.base import (
 )
 from contrastive_accelerate.methods.loss_table import INITIAL_LOGIT_SCALE, LOSSES, options_of
 from contrastive_accelerate.methods.sentence_tools import (
+    BeirOptions,
     MatryoshkaOptions,
+    check_beir,
     folder_digest,
     matryoshka_terms,
     prompts_of,
@@ -110,7 +112,7 @@ PAIR_LOSSES = (*TEXT_PAIR_LOSSES, *IMAGE_TEXT_LOSSES)
 #: (The kinds of tower with a text tower are pairs' alone; ``--image-model`` and its
 #: pooling are the image methods' too: ``composition`` refuses them where they do not apply.)
 TEXT_OPTIONS = (
-    *field_names(PairsOptions), *field_names(MatryoshkaOptions),
+    *field_names(PairsOptions), *field_names(MatryoshkaOptions), *field_names(BeirOptions),
     *(TOWER_KINDS[kind].option for kind in ("text", "clip")),
     *options_of(TEXT_PAIR_LOSSES),
 )  # fmt: skip
@@ -210,6 +212,7 @@ def check(config) -> None:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
     matryoshka_terms(config)
     prompts_of(config)
+    check_beir(config)
     if not config.lora_rank and is_set(config, "lora_towers"):
         raise ConfigError("--lora-towers applies with --lora-rank")
     image_tower = config.image_model or config.clip_model or config.timm_model
@@ -285,7 +288,8 @@ def held_out_pairs(config, data: PairData | MixedPairs) -> PairData:
 
 
 #: What image-text pairs never read (one tower per kind, InfoNCE or SigLIP): set, refused.
-TEXT_PAIR_OPTIONS = ("two_towers", "prompts", *options_of(TEXT_PAIR_LOSSES))
+TEXT_PAIR_OPTIONS = ("two_towers", "prompts", *field_names(BeirOptions),
+                     *options_of(TEXT_PAIR_LOSSES))  # fmt: skip
 #: The learnable scale of image-text pairs, and SigLIP's bias.
 SCALE_OPTIONS = options_of(IMAGE_TEXT_LOSSES)
 
@@ -317,7 +321,7 @@ PAIRS = MethodRow(
     build,
     pair_data,
     options=("loss", *TEXT_OPTIONS, *SCALE_OPTIONS),
-    sections=(PairsOptions, MatryoshkaOptions),
+    sections=(PairsOptions, MatryoshkaOptions, BeirOptions),
     reads=reads,
     defaults=defaults,
     check=check,

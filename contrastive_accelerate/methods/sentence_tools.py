@@ -28,6 +28,24 @@ class MatryoshkaOptions:
     )
 
 
+@dataclass
+class BeirOptions:
+    """Retrieval evaluation on a benchmark in BEIR's format (``data.beir``), a section of
+    ``TrainConfig``."""
+
+    eval_beir: str | None = option(
+        None, "text pairs: nDCG@10, MRR@10, recall@k on this BEIR folder at the end",
+        resume="free",
+    )  # fmt: skip
+    eval_beir_split: str = option("test", "--eval-beir: its qrels/SPLIT.tsv", resume="free")
+
+
+def check_beir(config) -> None:
+    """Refuse ``--eval-beir-split`` without ``--eval-beir``."""
+    if is_set(config, "eval_beir_split") and not config.eval_beir:
+        raise ConfigError("--eval-beir-split applies with --eval-beir")
+
+
 def prompts_of(config) -> dict[str, str]:
     """``--prompts`` by column name (each "COLUMN=PROMPT", split at the first "="),
     checked against ``--columns``; empty when none are given."""

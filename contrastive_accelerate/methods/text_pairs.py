@@ -11,6 +11,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from contrastive_accelerate.data.beir import load_beir
 from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.pairs import MixedPairs, PairBatch, PairData, TextColumns
 from contrastive_accelerate.knn import KnnData
@@ -32,7 +33,7 @@ from contrastive_accelerate.methods.sentence_tools import (
     say_overridden,
     sentence_folder,
 )
-from contrastive_accelerate.retrieval import paired_retrieval
+from contrastive_accelerate.retrieval import paired_retrieval, ranked_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import sample_keys
 
@@ -98,6 +99,8 @@ class TextPairsMethod(PairsMethod):
                 data.train, data.columns, tokenizer, config.max_length, config.seed, self.prompts
             )
         self.evaluation, self.columns = data.evaluation, data.columns
+        beir = config.eval_beir
+        self.beir = load_beir(beir, config.eval_beir_split) if beir else None
         self.tokenizer, self.max_length = tokenizers[0], config.max_length
         self.row = LOSSES[config.loss or TEXT_PAIR_LOSSES[0]]
         self.criterion = self.row.make(config)
@@ -131,26 +134,35 @@ class TextPairsMethod(PairsMethod):
 
     def evaluate(self, knn: KnnData | None) -> dict[str, float]:
         """Retrieval on the held-out pairs: each anchor's positive among all of theirs
-        (``retrieval_mrr@10``, ``retrieval_recall@k``), sharded across ranks."""
-        if self.evaluation is None:
-            return {}
-        anchors, positives = ([self.prompts.get(c, "") + text
-                               for text in first_texts(self.evaluation[c])]
-                              for c in self.columns[:2])  # fmt: skip
+        (``retrieval_mrr@10``, ``retrieval_recall@k``), and with ``--eval-beir`` on its
+        benchmark (``beir_ndcg@10``, ``beir_mrr@10``, ``beir_recall@k``): queries through
+        the anchors' tower and prompt, the corpus through the positives'; sharded across
+        ranks."""
+        figures: dict[str, float] = {}
         model, device = self.model, next(self.model.parameters()).device
+
+        def embedder(column: int, texts: list[str]):
+            prompt = self.prompts.get(self.columns[column], "")
+            return lambda rows: embed_texts(
+                partial(model.project_texts, column=column), self.tokenizer,
+                [prompt + texts[i] for i in rows], self.max_length, device,
+            )  # fmt: skip
+
         model.eval()
         try:
             with torch.no_grad():
-                figures = paired_retrieval(
-                    lambda rows: embed_texts(partial(model.project_texts, column=0),
-                                             self.tokenizer, [anchors[i] for i in rows],
-                                             self.max_length, device),
-                    lambda rows: embed_texts(partial(model.project_texts, column=1),
-                                             self.tokenizer, [positives[i] for i in rows],
-                                             self.max_length, device),
-                    len(anchors), device,
-                )  # fmt: skip
+                if self.evaluation is not None:
+                    anchors, positives = (first_texts(self.evaluation[c]) for c in self.columns[:2])
+                    found = paired_retrieval(embedder(0, anchors), embedder(1, positives),
+                                             len(anchors), device)  # fmt: skip
+                    figures |= {f"retrieval_{name}": value for name, value in found.items()}
+                if self.beir is not None:
+                    found = ranked_retrieval(
+                        embedder(0, self.beir.queries), embedder(1, self.beir.corpus),
+                        self.beir.relevant, len(self.beir.corpus), device,
+                    )  # fmt: skip
+                    figures |= {f"beir_{name}": value for name, value in found.items()}
         finally:
             model.train()
             reshard_after_evaluation(model)
-        return {f"retrieval_{name}": value for name, value in figures.items()}
+        return figures
