@@ -64,7 +64,8 @@ def _part_flags() -> list[list[str]]:
               if kind.option not in (None, "model")]  # --model: IMAGE_TOWERS' rows  # fmt: skip
     adapted = [*PAIRS, "--text-model", "bert", "--lora-rank", "4"]
     matryoshka = [*PAIRS, "--matryoshka-dims", "8,4"]  # its weights apply beside it
-    lines += [[*STREAMED, "--streaming"], MIXED, adapted, matryoshka]
+    beir = [*PAIRS, "--eval-beir", "benchmark"]  # its split applies beside it
+    lines += [[*STREAMED, "--streaming"], MIXED, adapted, matryoshka, beir]
     return lines
 
 
@@ -118,6 +119,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         "max_length",  # pairs': the folder's or 128, resolved by its row
         "text_pooling",
         "prompts",
+        "eval_beir",
         "zero_shot_template",
         "eval_dataset",
         "timm_model",
@@ -336,6 +338,7 @@ def test_usage_errors_are_one_line(capfd):
         ),
         ({"lora_rank": 4}, "--lora-rank adapts a pretrained tower"),
         ({"columns": "a,b", "matryoshka_weights": "1,2"}, "--matryoshka-weights applies with"),
+        ({"columns": "a,b", "eval_beir_split": "dev"}, "--eval-beir-split applies with"),
         ({"columns": "a,b", "matryoshka_dims": "8,8"}, "--matryoshka-dims 8,8: distinct widths"),
         (
             {"columns": "a,b", "matryoshka_dims": "8,4", "matryoshka_weights": "1"},

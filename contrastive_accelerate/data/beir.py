@@ -5,11 +5,11 @@ then ``query-id``, ``corpus-id``, ``score`` per line), read as JSON and text onl
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass
 
 from contrastive_accelerate.data import DataError
+from contrastive_accelerate.untrusted import parse_json
 
 
 @dataclass
@@ -36,7 +36,7 @@ def load_beir(directory: str, split: str = "test") -> Beir:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = parse_json(line)
                     found[str(row["_id"])] = row
                 except (ValueError, KeyError, TypeError):
                     raise DataError(f"{path}:{number}: not a JSON object with an _id") from None
