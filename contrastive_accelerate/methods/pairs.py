@@ -195,9 +195,11 @@ def defaults(config) -> dict[str, Any]:
     values: dict[str, Any] = {"optimizer": "adamw"}
     if config.text_model != "scratch":
         values["lr"] = 5e-5
-    # A sentence-transformers folder's own pooling and length, unless a flag overrides them.
+    # A sentence-transformers folder's own pooling and length, unless a flag overrides
+    # them; a CLIP checkpoint pools its own texts.
     folder = sentence_folder(config)
-    values["text_pooling"] = folder.pooling if folder else "mean"
+    if not config.clip_model:
+        values["text_pooling"] = folder.pooling if folder else "mean"
     values["max_length"] = (folder.max_seq_length if folder else None) or 128
     loss = config.loss or IMAGE_TEXT_LOSSES[0]  # the data decide between mnrl and infonce
     if loss in INITIAL_LOGIT_SCALE and not config.clip_model:  # a checkpoint has its own
