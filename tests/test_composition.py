@@ -296,16 +296,20 @@ def test_a_pretrained_image_tower_is_exported_in_its_own_format(runs, data, meth
     assert error == 0.0
 
 
-def test_a_timm_resnet_with_batchnorm_trains_alike_with_its_statistics_synchronised(runs, data):
-    """timm's test_resnet under SimCLR: its BatchNorm layers become SyncBatchNorm, so 2
-    and 3 processes (an idle rank in the last batch) normalise by the global batch's
-    statistics as 1 does; without it (the control) each normalises by its own share."""
-    cell = pretrained_cell("simclr", "timm")
+@pytest.mark.parametrize("method", IMAGE_METHODS)
+def test_a_timm_resnet_with_batchnorm_trains_alike_with_its_statistics_synchronised(
+    runs, data, method
+):
+    """timm's test_resnet under each image method (DINO with its local crops): its
+    BatchNorm layers become SyncBatchNorm, so 2 and 3 processes (an idle rank in the last
+    batch) normalise by the global batch's statistics as 1 does; without it (the
+    control) each normalises by its own share."""
+    cell = pretrained_cell(method, "timm")
     flags = [*command(cell, data)[:-1], data["timm resnet"]]  # the ViT's folder replaced
     one = runs(1, *flags)
     errors = [final_files_difference(one, runs(processes, *flags)) for processes in (2, 3)]
     control = final_files_difference(one, runs(2, *flags, "--no-sync-batchnorm"))
-    print(f"simclr on timm's test_resnet, 1 vs 2 / 1 vs 3 processes: {errors[0]:.1e} / "
+    print(f"{method} on timm's test_resnet, 1 vs 2 / 1 vs 3 processes: {errors[0]:.1e} / "
           f"{errors[1]:.1e}; --no-sync-batchnorm: {control:.1e}")  # fmt: skip
     assert max(errors) <= EXACT and control > 1e3 * EXACT
 

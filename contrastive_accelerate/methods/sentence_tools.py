@@ -1,7 +1,8 @@
 """What sentence-embedding users train with, beside the pair losses: Matryoshka
-embeddings (``--matryoshka-dims``), a prompt per column (``--prompts``), and a
-sentence-transformers folder taken as it is (``models.sentence_folder``): its pooling,
-length and prompts as the options' defaults, each flag that overrides one said."""
+embeddings (``--matryoshka-dims``), a prompt per column (``--prompts``), retrieval on a
+BEIR benchmark (``--eval-beir``), and a sentence-transformers folder taken as it is
+(``models.sentence_folder``): its pooling, length and prompts as the options' defaults,
+each flag that overrides one said."""
 
 from __future__ import annotations
 
