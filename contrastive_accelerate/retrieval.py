@@ -30,22 +30,10 @@ def paired_retrieval(
     """``mrr@10`` and ``recall@k`` (k in 1, 5, 10) of each query's own document among all
     ``count`` documents, by cosine similarity. ``embed_*(indices)`` embed those rows (on
     ``device``, the model's; no rows: a (0, width) tensor). Call it on every rank."""
-    rank, world_size = rank_and_world_size()
-    share = torch.arange(count).tensor_split(world_size)[rank]
-    # As many batches on every rank, some empty: a sharded model's forward is a collective.
-    rounds = math.ceil(math.ceil(count / world_size) / batch_size)
-    batches = [share[i * batch_size : (i + 1) * batch_size].tolist() for i in range(rounds)]
-
-    def embedded(embed) -> torch.Tensor | None:
-        parts = [F.normalize(embed(batch).float(), dim=1) for batch in batches]
-        return torch.cat(parts) if parts else None
-
-    queries, documents = embedded(embed_queries), embedded(embed_documents)
-    # An idle rank has embedded nothing: it learns the width to join the gather.
-    width = _max_over_ranks(queries.shape[1] if queries is not None else 0, device)
-    empty = torch.zeros(0, width, device=device)
-    queries = empty if queries is None else queries
-    documents = all_gather_rows(empty if documents is None else documents)
+    (queries, share), (documents, _) = _embedded_shares(
+        (embed_queries, count), (embed_documents, count), batch_size=batch_size, device=device
+    )
+    documents = all_gather_rows(documents)
     sums = torch.zeros(1 + len(RECALL_AT), dtype=torch.float64, device=device)
     if len(queries):
         similarity = queries @ documents.T
@@ -56,11 +44,34 @@ def paired_retrieval(
         sums[0] = torch.where(ranks <= 10, reciprocal, 0.0).sum()
         for i, k in enumerate(RECALL_AT, start=1):
             sums[i] = (ranks <= k).sum()
-    if world_size > 1:
+    if rank_and_world_size()[1] > 1:
         dist.all_reduce(sums)
     figures = (sums / count).tolist()
     return {"mrr@10": figures[0], **{f"recall@{k}": figures[i]
                                      for i, k in enumerate(RECALL_AT, start=1)}}  # fmt: skip
+
+
+def _embedded_shares(
+    *sides: tuple[Callable[[Sequence[int]], torch.Tensor], int],
+    batch_size: int,
+    device: torch.device | str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each ``(embed, count)`` side's contiguous share of its rows on this rank,
+    embedded in batches and L2-normalised, with the share's row indices. Every rank runs
+    as many batches, some empty (a sharded model's forward is a collective), and an idle
+    rank's empty embeddings take the others' width, to join a gather."""
+    rank, world_size = rank_and_world_size()
+    embedded, shares = [], []
+    for embed, count in sides:
+        share = torch.arange(count).tensor_split(world_size)[rank]
+        rounds = math.ceil(math.ceil(count / world_size) / batch_size)
+        batches = [share[i * batch_size : (i + 1) * batch_size].tolist() for i in range(rounds)]
+        parts = [F.normalize(embed(batch).float(), dim=1) for batch in batches]
+        embedded.append(torch.cat(parts) if parts else None)
+        shares.append(share)
+    width = _max_over_ranks(max(x.shape[1] if x is not None else 0 for x in embedded), device)
+    empty = torch.zeros(0, width, device=device)
+    return [(empty if x is None else x, share) for x, share in zip(embedded, shares, strict=True)]
 
 
 def _max_over_ranks(value: int, device) -> int:
@@ -92,23 +103,11 @@ def ranked_retrieval(
     k, nDCG with binary gains. Queries and corpus are embedded sharded over the ranks,
     the corpus gathered, each rank ranking its own queries, one all-reduce: the same
     figures on any number of processes. Call it on every rank."""
-    rank, world_size = rank_and_world_size()
-
-    def embedded(embed, count: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        share = torch.arange(count).tensor_split(world_size)[rank]
-        # As many batches on every rank, some empty: a sharded model's forward is a collective.
-        rounds = math.ceil(math.ceil(count / world_size) / batch_size)
-        batches = [share[i * batch_size : (i + 1) * batch_size].tolist() for i in range(rounds)]
-        parts = [F.normalize(embed(batch).float(), dim=1) for batch in batches]
-        return (torch.cat(parts) if parts else None), share
-
-    queries, mine = embedded(embed_queries, len(relevant))
-    corpus, _ = embedded(embed_corpus, corpus_count)
-    width = _max_over_ranks(max(x.shape[1] if x is not None else 0 for x in (queries, corpus)),
-                            device)  # fmt: skip
-    empty = torch.zeros(0, width, device=device)
-    queries = empty if queries is None else queries
-    corpus = all_gather_rows(empty if corpus is None else corpus)
+    (queries, mine), (corpus, _) = _embedded_shares(
+        (embed_queries, len(relevant)), (embed_corpus, corpus_count),
+        batch_size=batch_size, device=device,
+    )  # fmt: skip
+    corpus = all_gather_rows(corpus)
     sums = torch.zeros(2 + len(RECALL_AT), dtype=torch.float64, device=device)
     top = min(max(NDCG_AT, MRR_AT, *RECALL_AT), corpus_count)
     discounts = 1 / torch.log2(torch.arange(2, top + 2, dtype=torch.float64, device=device))
@@ -124,7 +123,7 @@ def ranked_retrieval(
         sums[1] += 1 / (first[0].item() + 1) if len(first) else 0.0
         for i, k in enumerate(RECALL_AT, start=2):
             sums[i] += hits[:k].sum() / len(relevant[query])
-    if world_size > 1:
+    if rank_and_world_size()[1] > 1:
         dist.all_reduce(sums)
     figures = (sums / max(len(relevant), 1)).tolist()
     return {f"ndcg@{NDCG_AT}": figures[0], f"mrr@{MRR_AT}": figures[1],

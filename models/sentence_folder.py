@@ -41,11 +41,21 @@ class SentenceFolderError(ValueError):
 
 @dataclass
 class DenseLayer:
-    """One ``Dense`` module: ``activation(W x + b)``."""
+    """One ``Dense`` module, ``activation(W x + b)``: its weights file, read when the
+    layer is built (``weights``), so that reading a folder's stack (every time the
+    options resolve) reads JSON only."""
 
-    weight: torch.Tensor
-    bias: torch.Tensor | None
+    weights_file: str
     activation: str
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``W`` and ``b`` (None without a bias), from safetensors."""
+        from safetensors.torch import load_file
+
+        weights = load_file(self.weights_file)
+        if "linear.weight" not in weights:
+            raise SentenceFolderError(f"{self.weights_file}: no linear.weight")
+        return weights["linear.weight"], weights.get("linear.bias")
 
 
 @dataclass
@@ -66,12 +76,12 @@ class SentenceFolder:
             return None
         layers: list[nn.Module] = []
         for dense in self.dense:
-            out_features, in_features = dense.weight.shape
-            linear = nn.Linear(in_features, out_features, bias=dense.bias is not None)
+            weight, bias = dense.weights()
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
             with torch.no_grad():
-                linear.weight.copy_(dense.weight)
-                if dense.bias is not None:
-                    linear.bias.copy_(dense.bias)
+                linear.weight.copy_(weight)
+                if bias is not None:
+                    linear.bias.copy_(bias)
             layers += [linear, ACTIVATIONS[dense.activation]()]
         return nn.Sequential(*layers).to(dtype)
 
@@ -139,8 +149,6 @@ def _pooling(path: str, subfolder: str) -> str:
 
 
 def _dense(directory: str) -> DenseLayer:
-    from safetensors.torch import load_file
-
     config = read_json(os.path.join(directory, "config.json"))
     activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
     if activation not in ACTIVATIONS:
@@ -151,7 +159,4 @@ def _dense(directory: str) -> DenseLayer:
     weights_file = os.path.join(directory, "model.safetensors")
     if not os.path.isfile(weights_file):
         raise SentenceFolderError(f"{directory}: no model.safetensors (a pickle is not read)")
-    weights = load_file(weights_file)
-    if "linear.weight" not in weights:
-        raise SentenceFolderError(f"{weights_file}: no linear.weight")
-    return DenseLayer(weights["linear.weight"], weights.get("linear.bias"), activation)
+    return DenseLayer(weights_file, activation)

@@ -338,18 +338,18 @@ def text_encoder(config, data: PairData, columns):
     method's ``inputs``."""
     from models.text import SCRATCH, scratch_text_encoder
 
+    folder = sentence_folder(config)  # a sentence-transformers folder's model: its own
     if config.text_model == SCRATCH:
         texts = training_texts(data, columns)
         encoder, tokenizer = scratch_text_encoder(texts, config.max_length, DTYPES[config.dtype])
     else:
         if reason := unreachable_reason(config.text_model, "models"):
             raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
-        folder = sentence_folder(config)  # a sentence-transformers folder's model: its own
         path = os.path.join(config.text_model, folder.transformer) if folder else config.text_model
         encoder, tokenizer = TOWER_KINDS["text"].load(path, DTYPES[config.dtype])
         check_text_model_limits(config, encoder, tokenizer)
     digests = {"text_model": text_model_digests(encoder, tokenizer)}
-    if folder := sentence_folder(config):
+    if folder is not None:
         digests["text_model"]["stack"] = folder_digest(folder)
     return adapted(encoder, config, "text", "--text-model"), tokenizer, digests
 

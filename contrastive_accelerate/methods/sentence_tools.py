@@ -129,7 +129,7 @@ def say_overridden(config, folder: SentenceFolder | None, say: Say) -> None:
 def folder_digest(folder: SentenceFolder) -> str:
     """The content digest of what a sentence-transformers folder stacks on its model."""
     tensors = {f"dense.{i}.{name}": tensor for i, dense in enumerate(folder.dense)
-               for name, tensor in (("weight", dense.weight), ("bias", dense.bias))
+               for name, tensor in zip(("weight", "bias"), dense.weights(), strict=True)
                if tensor is not None}  # fmt: skip
     described = {"pooling": folder.pooling, "normalize": folder.normalize,
                  "activations": [dense.activation for dense in folder.dense]}  # fmt: skip
