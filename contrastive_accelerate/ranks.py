@@ -9,6 +9,7 @@ are anyway, and raise the same one-line error everywhere.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -134,6 +135,18 @@ def on_main_process(fn: Callable[..., T], *args: Any, errors: tuple[type[Excepti
         dist.broadcast_object_list(box, src=0)
         result = box[0]
     return result
+
+
+def end_process_group() -> None:
+    """End the default process group, and every group, if there is one.
+
+    Whatever still holds a group (DDP's reducer, a sync-BatchNorm) is freed first, cycles
+    included: torch's gloo aborts the process ("terminate called without an active
+    exception") when such an object outlives its group, at exit or at the garbage
+    collection that finally frees it, measured on 2-process launches at 5 in 24."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def settle_before_exit(timeout_s: float = 10.0) -> None:

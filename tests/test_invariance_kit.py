@@ -265,6 +265,8 @@ if {save} and accelerator.is_main_process:
     os.makedirs(output, exist_ok=True)
     torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(output, "model.pt"))
 accelerator.wait_for_everyone()
+del model, optimizer  # DDP holds the group: gloo can abort an exit that frees it after
+accelerator.free_memory()
 accelerator.end_training()
 """
 GATHERS = {
