@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import signal
 import socket
 import time
 import traceback
@@ -148,12 +149,17 @@ class _Workers:
         by_rank: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
+        gone_since = None  # when a worker was first seen dead without its result
         while len(by_rank) + len(failures) < self.world_size:
             try:
                 wait = min(_POLL_S, max(0.1, deadline - time.monotonic()))
                 rank, ok, value = self.results.get(timeout=wait)
             except queue.Empty:
-                self._raise_if_one_never_started()
+                if self._exited_without_result(by_rank, failures):
+                    # What it sent just before it died may still be in the pipe.
+                    gone_since = gone_since or time.monotonic()
+                    if time.monotonic() - gone_since > _FAILURE_GRACE_S:
+                        self._raise_for_an_exited_worker(by_rank, failures)
                 if time.monotonic() < deadline:
                     continue
                 if failures:
@@ -183,15 +189,37 @@ class _Workers:
         self.reusable = True
         return [by_rank[rank] for rank in range(self.world_size)]
 
-    def _raise_if_one_never_started(self) -> None:
+    def _exited_without_result(self, by_rank: dict[int, Any], failures: dict[int, str]) -> bool:
+        return any(
+            process.exitcode is not None and rank not in by_rank and rank not in failures
+            for rank, process in enumerate(self.processes)
+        )
+
+    def _raise_for_an_exited_worker(
+        self, by_rank: dict[int, Any], failures: dict[int, str]
+    ) -> None:
+        """Raise for a worker process gone without its result: one that never served
+        (it could not import the caller), or one that died in the call (a signal, a
+        native abort), whose peers would otherwise wait out the deadline."""
         for rank, process in enumerate(self.processes):
-            if rank not in self.started and process.exitcode is not None:
+            code = process.exitcode
+            if code is None or rank in by_rank or rank in failures:
+                continue
+            if rank not in self.started:
                 raise WorkerStartError(
-                    f"the worker process of rank {rank} exited (code {process.exitcode}) "
+                    f"the worker process of rank {rank} exited (code {code}) "
                     "before it could serve: its error is on standard error above. Spawned "
                     "workers import the caller's __main__ again: run the check from a file "
                     "(a test module or a script), not from standard input or a notebook cell"
                 )
+            how = f"code {code}" if code >= 0 else f"signal {_signal_name(-code)}"
+            returned = "".join(
+                f"\nrank {done} returned: {str(value)[-1000:]}"
+                for done, value in {**by_rank, **failures}.items()
+            )
+            raise ChildProcessError(
+                f"the worker process of rank {rank} died in the call ({how}){returned}"
+            )
 
     def alive(self) -> bool:
         return all(process.is_alive() for process in self.processes)
@@ -209,8 +237,15 @@ class _Workers:
                 process.kill()
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
 def _serve(rank: int, world_size: int, tasks, results) -> None:
-    import torch.distributed as dist
+    from contrastive_accelerate.ranks import end_process_group
 
     parent = os.getppid()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -228,8 +263,7 @@ def _serve(rank: int, world_size: int, tasks, results) -> None:
     except BaseException:  # a task that cannot be unpickled: say so, do not go silent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def _default_group(own, rendezvous: tuple[int, float] | None, rank: int, world_size: int):
@@ -239,12 +273,14 @@ def _default_group(own, rendezvous: tuple[int, float] | None, rank: int, world_s
     own (``rendezvous`` None). Every rank gets the same calls, so all agree."""
     import torch.distributed as dist
 
+    from contrastive_accelerate.ranks import end_process_group
+
     current = dist.group.WORLD if dist.is_initialized() else None
     kept = own is not None and current is own[0] and rendezvous is not None
     if kept and own[1] == rendezvous[1]:
         return own
     if current is not None:
-        dist.destroy_process_group()
+        end_process_group()
     if rendezvous is None:
         return None
     port, timeout_s = rendezvous

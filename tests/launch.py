@@ -148,16 +148,15 @@ def train_pooled(
     the worker as it found it (a project's own row in a table)."""
     from contrastive_accelerate.workers import free_port, run_in_workers
 
-    per_rank = run_in_workers(
-        _trainer_main,
-        num_processes,
-        free_port(),
-        list(trainer_args),
-        {**ENV, **(environment or {})},
-        os.getcwd(),
-        within,
-        timeout_s=timeout,
-    )
+    with tempfile.TemporaryDirectory(prefix="pooled-run-") as captured:
+        try:
+            per_rank = run_in_workers(
+                _trainer_main, num_processes, free_port(), list(trainer_args),
+                {**ENV, **(environment or {})}, os.getcwd(), within, captured,
+                timeout_s=timeout,
+            )  # fmt: skip
+        except ChildProcessError as died:  # a rank killed by a signal: its last words
+            raise ChildProcessError(f"{died}\n{_last_words(Path(captured))}") from None
     codes = [code for code, _, _ in per_rank]
     result = subprocess.CompletedProcess(
         ["trainer.py", *trainer_args],
@@ -181,15 +180,18 @@ def _trainer_main(
     environment: dict[str, str],
     working_directory: str,
     within: Callable[[], contextlib.AbstractContextManager] | None,
+    captured: str,
 ) -> tuple[int, str, str]:
     """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state, in
     the caller's working directory (where a launch would start), with its exit code and
-    what it wrote to stdout and stderr."""
+    what it wrote to stdout and stderr (kept in ``captured``, where the caller still finds
+    it if the process dies)."""
     import trainer
 
     fresh_process_state(rank, world_size, port, environment)
     os.chdir(working_directory)
-    with _captured_output() as output, within() if within else contextlib.nullcontext():
+    files = Path(captured) / f"rank{rank}.out", Path(captured) / f"rank{rank}.err"
+    with _captured_output(*files) as output, within() if within else contextlib.nullcontext():
         try:
             trainer.main(argv)
             code = 0
@@ -199,6 +201,14 @@ def _trainer_main(
             traceback.print_exc()
             code = 1
     return code, *output
+
+
+def _last_words(captured: Path) -> str:
+    """The end of what each rank of a pooled run wrote to stderr."""
+    return "".join(
+        f"{path.stem} stderr: ...{path.read_text(errors='replace')[-1500:]}\n"
+        for path in sorted(captured.glob("rank*.err"))
+    )
 
 
 _FRESH: dict = {}
@@ -213,9 +223,9 @@ def fresh_process_state(rank: int, world_size: int, port: int, environment: dict
     ``tests/test_pool.py`` proves it: a run repeated in one worker equals a fresh
     process's, 0.0."""
     import torch
-    import torch.distributed as dist
 
     from contrastive_accelerate.compat import reset_accelerate_state
+    from contrastive_accelerate.ranks import end_process_group
 
     if not _FRESH:  # the first call: the worker as spawned
         _FRESH.update(
@@ -224,8 +234,7 @@ def fresh_process_state(rank: int, world_size: int, port: int, environment: dict
             signals={s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)},
             warnings=list(warnings.filters),
         )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_group()
     reset_accelerate_state()
     os.environ.clear()
     os.environ.update(environment)
@@ -250,11 +259,12 @@ def fresh_process_state(rank: int, world_size: int, port: int, environment: dict
 
 
 @contextlib.contextmanager
-def _captured_output() -> Iterator[list[str]]:
+def _captured_output(stdout: Path, stderr: Path) -> Iterator[list[str]]:
     """What the run writes to file descriptors 1 and 2 (the trainer's one-line errors
-    write to the descriptor), as ``[stdout, stderr]`` once the block ends."""
+    write to the descriptor), into the files ``stdout`` and ``stderr`` and as ``[stdout,
+    stderr]`` once the block ends."""
     output: list[str] = []
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with open(stdout, "w+") as out, open(stderr, "w+") as err:
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)

@@ -142,6 +142,25 @@ def test_a_hung_rank_fails_within_the_timeout_and_the_next_run_gets_fresh_worker
     assert (tmp_path / "next" / "final" / "model.safetensors").exists()
 
 
+def _abort_on_rank_one(rank: int, world_size: int, seconds: float) -> int:
+    if rank == 1:
+        os.abort()  # as a native library's uncaught exception ends a process
+    time.sleep(seconds)  # the peer that waits, as in a collective, for the dead rank
+    return rank
+
+
+def test_a_rank_that_dies_in_a_call_fails_it_at_once_naming_the_signal():
+    """A worker killed by a signal sends no result: the call says so as soon as it sees
+    the process gone, not after its timeout, and the next call gets fresh workers."""
+    started = time.monotonic()
+    with pytest.raises(ChildProcessError, match=r"rank 1 died in the call \(signal SIGABRT\)"):
+        run_in_workers(_abort_on_rank_one, 2, 0.0, timeout_s=300)
+    waited = time.monotonic() - started
+    print(f"a rank died: failed after {waited:.1f} s (timeout 300 s)")
+    assert waited < 60
+    assert run_in_workers(_sleep_on_rank_one, 2, 0.0) == [0, 1]
+
+
 def worker_pid(rank: int, world_size: int) -> int:
     return os.getpid()
 
@@ -152,7 +171,7 @@ def _fail_on_rank_one(rank: int, world_size: int) -> int:
     return os.getpid()
 
 
-def summed_workerworker_pid(rank: int, world_size: int) -> tuple[int, int]:
+def summed_worker_pid(rank: int, world_size: int) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
@@ -164,10 +183,10 @@ def summed_workerworker_pid(rank: int, world_size: int) -> tuple[int, int]:
 def test_a_check_that_raises_on_a_rank_keeps_its_workers_in_a_new_group():
     """Every rank came back, so no worker is stuck: the next check runs on the same
     processes (no imports again) in a group made anew, and its collectives work."""
-    before = [pid for pid, _ in run_on_ranks(summed_workerworker_pid, 2)]
+    before = [pid for pid, _ in run_on_ranks(summed_worker_pid, 2)]
     with pytest.raises(RuntimeError, match="rank 1 failed"):
         run_on_ranks(_fail_on_rank_one, 2)
-    after = run_on_ranks(summed_workerworker_pid, 2)
+    after = run_on_ranks(summed_worker_pid, 2)
     assert [pid for pid, _ in after] == before
     assert [total for _, total in after] == [3, 3]
 
