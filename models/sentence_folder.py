@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from contrastive_accelerate.untrusted import read_json
+from models.text import POOLINGS
 
 #: ``Dense`` activations a folder may name (by torch's class path), without importing
 #: what the file names: anything else is refused.
@@ -26,8 +27,6 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {
     "torch.nn.modules.activation.ReLU": nn.ReLU,
     "torch.nn.modules.activation.GELU": nn.GELU,
 }
-#: sentence-transformers' pooling modes that a ``TextTower`` computes (``models.text``).
-FOLDER_POOLINGS = ("cls", "mean", "max", "lasttoken")
 #: sentence-transformers 2-5's pooling flags, by the mode each names.
 POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "lasttoken",
@@ -137,13 +136,19 @@ def _pooling(path: str, subfolder: str) -> str:
     """The folder's pooling mode: sentence-transformers 6's ``pooling_mode``, or the one
     ``pooling_mode_*`` flag of earlier versions that is set."""
     config = read_json(os.path.join(path, subfolder, "config.json"))
-    modes = [config["pooling_mode"]] if "pooling_mode" in config else [
+    modes = config.get("pooling_mode") or [
         mode for flag, mode in POOLING_FLAGS.items() if config.get(flag)
     ]  # fmt: skip
-    if len(modes) != 1 or modes[0] not in FOLDER_POOLINGS:
+    modes = modes if isinstance(modes, list) else [modes]  # 6 concatenates a list's
+    if config.get("include_prompt", True) is not True:
+        raise SentenceFolderError(
+            f"--text-model {path!r}: pooling without the prompt's tokens (include_prompt "
+            "false) is not taken here yet"
+        )
+    if len(modes) != 1 or modes[0] not in POOLINGS:
         raise SentenceFolderError(
             f"--text-model {path!r}: pooling {' + '.join(map(str, modes)) or 'none'} is not "
-            f"taken here yet ({', '.join(FOLDER_POOLINGS)} are)"
+            f"taken here yet ({', '.join(POOLINGS)} are)"
         )
     return modes[0]
 

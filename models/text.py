@@ -27,9 +27,10 @@ from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 from models.vision import PretrainedImageModel
 
-#: The poolings of a tower: the first token, the masked mean (sentence-transformers'
-#: default), the masked maximum, and the last token (decoder embedders').
-POOLINGS = ("cls", "mean", "max", "lasttoken")
+#: The poolings of a tower, sentence-transformers' modes: the first token, the masked mean
+#: (its default), the masked maximum, the last token (decoder embedders'), the masked sum
+#: over the square root of the length, and the mean weighted by position (SGPT's).
+POOLINGS = ("cls", "mean", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean")
 #: ``--text-model scratch``: a small BERT from random weights, a word-level vocabulary.
 SCRATCH = "scratch"
 SCRATCH_SIZES = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -191,8 +192,13 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
     if pooling == "cls":
         return hidden[:, 0]
     weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
-    if pooling == "mean":
+    if pooling == "weightedmean":  # token t of the row weighs t (1-based)
+        positions = torch.arange(1, hidden.shape[1] + 1, dtype=hidden.dtype, device=hidden.device)
+        weights = weights * positions.unsqueeze(-1)
+    if pooling in ("mean", "weightedmean"):
         return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
+    if pooling == "mean_sqrt_len_tokens":
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0).sqrt()
     if pooling == "max":
         return hidden.masked_fill(weights == 0, torch.finfo(hidden.dtype).min).amax(dim=1)
     last = (attention_mask.sum(dim=1) - 1).clamp(min=0)  # lasttoken

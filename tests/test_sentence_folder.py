@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from contrastive_accelerate.config import parse_args
 from contrastive_accelerate.data.pairs import load_pair_dataset
 from contrastive_accelerate.methods import METHODS
+from models.text import POOLINGS
 from trainer import TrainConfig
 
 from launch import TrainerRuns, final_files_difference, make_text_model, train_pooled
@@ -101,6 +102,32 @@ def test_the_folder_is_taken_as_it_is_and_its_untrained_export_embeds_alike(
     assert other.shape != reference.shape or (other - reference).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("mode", POOLINGS)
+def test_every_pooling_mode_of_a_folder_embeds_as_sentence_transformers_does(
+    mode, sentence_pairs, tmp_path
+):
+    """Each of sentence-transformers' pooling modes, on texts of different lengths (the
+    padding left out), in the folder and in the export of the untrained tower."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    bert = make_text_model(tmp_path / "bert", dropout=0.0)
+    folder = tmp_path / "folder"
+    modules = [Transformer(str(bert), max_seq_length=16), Pooling(16, mode)]
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    method, config = built(str(folder), sentence_pairs)
+    reference = SentenceTransformer(str(folder), device="cpu").double()
+    reference = reference.encode(TEXTS, convert_to_tensor=True).double()
+    method.model.save_pretrained(str(tmp_path / "untrained"))
+    export = SentenceTransformer(str(tmp_path / "untrained" / "sentence_transformer"),
+                                 device="cpu").double()  # fmt: skip
+    exported = export.encode(TEXTS, convert_to_tensor=True).double()
+    ours = embedded(method.model, TEXTS, 16)
+    errors = (ours - reference).abs().max().item(), (exported - reference).abs().max().item()
+    print(f"pooling {mode}: ours {errors[0]:.1e}, the untrained export {errors[1]:.1e}")
+    assert config.text_pooling == mode and max(errors) <= 1e-6
+
+
 def test_the_trained_export_embeds_as_the_trained_towers(runs, folder):
     from sentence_transformers import SentenceTransformer
 
@@ -136,15 +163,20 @@ def test_a_flag_that_overrides_the_folder_says_so(runs):
     assert "--max-length 8 overrides --text-model's own 16" in output
 
 
-def test_a_module_it_cannot_take_is_one_line(folder, sentence_pairs, tmp_path):
+@pytest.mark.parametrize(
+    "pooling, message",
+    [({"pooling_mode": ["cls", "mean"]}, "pooling cls + mean is not taken here yet"),
+     ({"include_prompt": False}, "(include_prompt false) is not taken here yet")],
+    ids=["concatenated-modes", "prompt-left-out"],
+)  # fmt: skip
+def test_a_module_it_cannot_take_is_one_line(folder, sentence_pairs, tmp_path, pooling, message):
     import shutil
 
     broken = tmp_path / "folder"
     shutil.copytree(folder, broken)
-    pooling = broken / "1_Pooling" / "config.json"
-    pooling.write_text(json.dumps({**json.loads(pooling.read_text()),
-                                   "pooling_mode": "weightedmean"}))  # fmt: skip
+    config = broken / "1_Pooling" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **pooling}))
     result = train_pooled(1, *COMMON, "--dataset", sentence_pairs, "--text-model", str(broken),
                           "--output-dir", str(tmp_path / "run"), check=False)  # fmt: skip
     last = (result.stdout + result.stderr).strip().splitlines()[-1]
-    assert result.returncode != 0 and "pooling weightedmean is not taken here yet" in last, last
+    assert result.returncode != 0 and message in last, last
