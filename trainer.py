@@ -325,13 +325,15 @@ def _loop(training: _Training, progress: _Progress) -> None:
 
 
 def _save_and_evaluate(training: _Training, progress: _Progress) -> None:
-    """The checkpoint (--save-every) and the kNN evaluation (--eval-every) due after a step."""
+    """The checkpoint (--save-every) and the evaluations (--eval-every) due after a step."""
     config, step = training.config, progress.step
     if config.save_every and step % config.save_every == 0:
         progress.last_checkpoint, progress.saved_step = training.save(step), step
     due = config.eval_every and step % config.eval_every == 0 and step < training.total_steps
-    if training.knn is not None and due:
+    if due and training.knn is not None:
         training.evaluate(step)
+    if due:  # retrieval, BEIR, zero-shot: what a pairs run measures while it trains
+        _method_figures(training, step)
 
 
 def _finish(training: _Training, progress: _Progress) -> None:
@@ -487,7 +489,7 @@ def _baselines_and_probe(training: _Training, step: int) -> dict:
 
 
 def _method_figures(training: _Training, step: int) -> dict:
-    """The method's own final figures (``method.evaluate``: zero-shot, retrieval), logged
+    """The method's own figures (``method.evaluate``: zero-shot, retrieval, BEIR), logged
     like the kNN's."""
     results = training.method.evaluate(training.knn)
     if results:

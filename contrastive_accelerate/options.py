@@ -141,7 +141,7 @@ class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
         None, "keep the newest N checkpoints; none: all", resume="free", at_least=1
     )
     eval_every: int = option(
-        0, "steps between kNN evaluations; 0: at start and end", resume="free", at_least=0
+        0, "steps between evaluations; 0: kNN at start, all at end", resume="free", at_least=0
     )
     knn_k: int = option(20, "kNN neighbours; 0: no evaluation", resume="free", at_least=0)
     linear_probe: bool = option(True, "a linear probe too, at the end", resume="free")

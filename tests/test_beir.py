@@ -1,8 +1,9 @@
 """Retrieval evaluation on a benchmark in BEIR's format (``--eval-beir``): a test-made
 folder of 12 queries, 20 documents and graded judgements, text pairs on the tiny BERT.
 
-- The figures (nDCG@10, MRR@10, recall@1/5/10) are the same on 1 and 3 processes: each
-  rank embeds its share of the queries and of the corpus.
+- The figures (nDCG@10, MRR@10, recall@1/5/10), every ``--eval-every`` steps and at the
+  end, are the same on 1 and 3 processes: each rank embeds its share of the queries and
+  of the corpus.
 - They equal sentence-transformers' ``InformationRetrievalEvaluator`` on the run's own
   export (``final/sentence_transformer``), float64.
 - The control: without ``--eval-beir`` there are none. A broken folder is one line.
@@ -34,18 +35,25 @@ def runs(tmp_path_factory, sentence_pairs, tiny_bert):
                        "--text-model", tiny_bert)  # fmt: skip
 
 
-def figures(run) -> dict[str, float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    return {key: value for record in records for key, value in record.items()
-            if key.startswith("beir_")}  # fmt: skip
+def figures(run) -> dict[int, dict[str, float]]:
+    """The run's BEIR figures, by the step at which they were measured."""
+    by_step: dict[int, dict[str, float]] = {}
+    for record in map(json.loads, (run / "metrics.jsonl").open()):
+        found = {key: value for key, value in record.items() if key.startswith("beir_")}
+        if found:
+            by_step.setdefault(record["step"], {}).update(found)
+    return by_step
 
 
-def test_the_figures_are_the_same_on_1_and_3_processes(runs, beir):
-    one, three = (figures(runs(processes, "--eval-beir", beir)) for processes in (1, 3))
-    print(f"--eval-beir, 1 process: {one}; 3: {three}")
-    assert set(one) == {"beir_ndcg@10", "beir_mrr@10", "beir_recall@1", "beir_recall@5",
-                        "beir_recall@10"}  # fmt: skip
-    assert one == pytest.approx(three, abs=1e-12)  # sums over queries, in another order
+def test_the_figures_every_eval_every_are_the_same_on_1_and_3_processes(runs, beir):
+    one, three = (figures(runs(processes, "--eval-beir", beir, "--eval-every", "2"))
+                  for processes in (1, 3))  # fmt: skip
+    print(f"--eval-beir --eval-every 2, 1 process: {one}; 3: {three}")
+    assert sorted(one) == sorted(three) == [2, 4]  # during the run, and at its end
+    assert set(one[4]) == {"beir_ndcg@10", "beir_mrr@10", "beir_recall@1", "beir_recall@5",
+                           "beir_recall@10"}  # fmt: skip
+    for step in one:  # sums over queries, in another order
+        assert one[step] == pytest.approx(three[step], abs=1e-12)
     assert figures(runs(1)) == {}
 
 
@@ -66,7 +74,7 @@ def test_the_figures_are_sentence_transformers_information_retrieval_evaluators(
         map_at_k=[10], name="beir",
     )  # fmt: skip
     theirs = evaluator(model)
-    ours = figures(run)
+    ours = figures(run)[4]
     pairs = {f"beir_{name}": theirs[f"beir_cosine_{name}"]
              for name in ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10")}  # fmt: skip
     print(f"ours {ours}; InformationRetrievalEvaluator {pairs}")

@@ -108,8 +108,9 @@ class Method:
         return None
 
     def evaluate(self, knn: KnnData | None) -> dict[str, float]:
-        """The method's own figures at the end, beside the loop's kNN and linear probe
-        (image-text's zero-shot accuracy, retrieval), from the held-out images ``knn``."""
+        """The method's own figures, every ``--eval-every`` steps and at the end, beside the
+        loop's kNN and linear probe (image-text's zero-shot accuracy, retrieval, BEIR),
+        from the held-out images ``knn``."""
         return {}
 
     def state_dict(self) -> dict[str, torch.Tensor]:

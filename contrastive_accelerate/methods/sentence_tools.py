@@ -35,7 +35,7 @@ class BeirOptions:
     ``TrainConfig``."""
 
     eval_beir: str | None = option(
-        None, "text pairs: nDCG@10, MRR@10, recall@k on this BEIR folder at the end",
+        None, "text pairs: nDCG@10, MRR@10, recall@k on this BEIR folder",
         resume="free",
     )  # fmt: skip
     eval_beir_split: str = option("test", "--eval-beir: its qrels/SPLIT.tsv", resume="free")
