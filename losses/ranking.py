@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,12 @@ class MultipleNegativesRankingLoss(nn.Module):
     scored against every gathered anchor (sentence-transformers'
     ``directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"``).
 
+    ``identities`` (``(columns, n)`` integers, equal for equal texts: ``data.pairs.
+    text_identity``) mask false negatives across the global batch: a candidate whose
+    text is anchor i's positive's, ``t(c_j) = t(p_i)``, leaves row i's sum, as does, in
+    the reverse direction, an anchor whose text is a_i's. The identities travel in the
+    candidates' own gather (their bits as extra columns), so masking adds no collective.
+
     On one process this is sentence-transformers' ``MultipleNegativesRankingLoss`` at the
     same ``scale`` (cosine similarity, hard negatives included). Each rank scores its
     own anchors against the gathered candidates through a differentiable gather, with
@@ -39,6 +47,7 @@ class MultipleNegativesRankingLoss(nn.Module):
         criterion = MultipleNegativesRankingLoss(scale=20.0)  # tower: models.text.TextTower
         anchors, positives, negatives = (tower(ids, mask) for ids, mask in batch.columns)
         loss = criterion(anchors, positives, negatives)  # batch: data.pairs.PairBatch
+        loss = criterion(anchors, positives, negatives, identities=batch.identities)
     """
 
     def __init__(
@@ -65,6 +74,7 @@ class MultipleNegativesRankingLoss(nn.Module):
         positives: torch.Tensor,
         *negatives: torch.Tensor,
         sizes: list[int] | None = None,
+        identities: torch.Tensor | None = None,
     ) -> torch.Tensor:
         name = type(self).__name__
         rank, world_size, sizes, (anchors, positives, _) = check_batch(
@@ -82,20 +92,56 @@ class MultipleNegativesRankingLoss(nn.Module):
             dtype = compute_dtype(anchors, positives, *negatives)
             a, p, *n = (F.normalize(x.to(dtype), dim=1) for x in (anchors, positives, *negatives))
 
-            def gathered(x: torch.Tensor) -> torch.Tensor:
-                return collectives.gather(x, sizes=sizes) if world_size > 1 else x
+            def gathered(x: torch.Tensor, column: int) -> tuple[torch.Tensor, Any]:
+                if identities is None:
+                    return (collectives.gather(x, sizes=sizes) if world_size > 1 else x), None
+                return _gathered_with_identities(x, identities[column], sizes, world_size)
 
             rows = torch.arange(len(a), device=a.device)
             own = (sum(sizes[:rank]) + rows)[:, None]  # each anchor's positive column
-            candidates = torch.cat([gathered(x) for x in (p, *n)])
+            columns = [gathered(x, column) for column, x in enumerate((p, *n), start=1)]
+            candidates = torch.cat([every for every, _ in columns])
             positive = self.scale * (a * p).sum(dim=1)
+            excluded = own
+            if identities is not None:
+                candidate_ids = torch.cat([ids for _, ids in columns])
+                excluded = _false_negatives(identities[1], candidate_ids, own)
             negatives_lse = tiled_logsumexp(
-                self.scale * a, candidates, own, self.tile_rows, self.dense_max_bytes
+                self.scale * a, candidates, excluded, self.tile_rows, self.dense_max_bytes
             )
             terms = softplus(negatives_lse - positive)
             if self.symmetric:
+                every_anchor, anchor_ids = gathered(a, 0)
+                if identities is not None:
+                    excluded = _false_negatives(identities[0], anchor_ids, own)
                 reverse = tiled_logsumexp(
-                    self.scale * p, gathered(a), own, self.tile_rows, self.dense_max_bytes
+                    self.scale * p, every_anchor, excluded, self.tile_rows, self.dense_max_bytes
                 )
                 terms = 0.5 * (terms + softplus(reverse - positive))
             return terms.sum() * (world_size / sum(sizes))
+
+
+def _gathered_with_identities(
+    x: torch.Tensor, identities: torch.Tensor, sizes: list[int], world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's rows of ``x`` and their identities, in one gather: the int64 ids'
+    bytes ride as extra columns of ``x``'s dtype (a gather copies bytes, and no gradient
+    reaches them), and are read back as int64."""
+    if world_size == 1:
+        return x, identities
+    width = x.shape[1]
+    riders = identities.to(x.device, torch.int64).unsqueeze(1).view(x.dtype)
+    every = collectives.gather(torch.cat([x, riders], dim=1), sizes=sizes)
+    return every[:, :width], every[:, width:].detach().contiguous().view(torch.int64).squeeze(1)
+
+
+def _false_negatives(
+    row_ids: torch.Tensor, column_ids: torch.Tensor, own: torch.Tensor
+) -> torch.Tensor:
+    """``(rows, k)`` columns each row leaves out: its own (``own``), and every column
+    whose identity is the row's (``row_ids``), padded with its own."""
+    same = row_ids.to(column_ids.device)[:, None] == column_ids[None, :]
+    same.scatter_(1, own, True)
+    count = max(int(same.sum(dim=1).max()), 1) if len(same) else 1
+    order = same.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :count]
+    return torch.where(same.gather(1, order), order, own)

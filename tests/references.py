@@ -81,21 +81,29 @@ def infonce(features0, features1, logit_scale) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
-def mnrl(anchors, positives, *negatives, scale: float, symmetric: bool = False) -> torch.Tensor:
+def mnrl(
+    anchors, positives, *negatives, scale: float, symmetric: bool = False, identities=None
+) -> torch.Tensor:
     """Multiple-negatives ranking: each anchor's cross-entropy over every positive and hard
     negative (cosine similarity times ``scale``), its own positive the target; with
-    ``symmetric``, averaged with each positive's cross-entropy over every anchor."""
+    ``symmetric``, averaged with each positive's cross-entropy over every anchor.
+    ``identities`` (``[column][row]`` texts' ids): a candidate other than the positive
+    whose id is the positive's is left out (in reverse, an anchor whose id is the anchor's)."""
     a, p = _unit(anchors), _unit(positives)
-    candidates = [p[j] for j in range(len(p))] + [
-        _unit(n)[j] for n in negatives for j in range(len(n))
-    ]
+    columns = (p, *(_unit(n) for n in negatives))
+    candidates = [(column, j, x[j]) for column, x in enumerate(columns, 1) for j in range(len(x))]
+
+    def kept(i: int, column: int, j: int, own: int) -> bool:
+        same = identities is not None and identities[column][j] == identities[own][i]
+        return (column == own and j == i) or not same
+
     terms = []
     for i in range(len(a)):
-        row = [scale * a[i] @ c for c in candidates]
-        term = _log_sum_exp(row) - row[i]
+        row = [scale * a[i] @ c for column, j, c in candidates if kept(i, column, j, 1)]
+        term = _log_sum_exp(row) - scale * a[i] @ p[i]
         if symmetric:
-            column = [scale * p[i] @ a[j] for j in range(len(a))]
-            term = 0.5 * (term + _log_sum_exp(column) - column[i])
+            back = [scale * p[i] @ a[j] for j in range(len(a)) if kept(i, 0, j, 0)]
+            term = 0.5 * (term + _log_sum_exp(back) - scale * p[i] @ a[i])
         terms.append(term)
     return torch.stack(terms).mean()
 

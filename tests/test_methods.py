@@ -39,8 +39,12 @@ CHOSEN_BY = {
 
 def _other_value(name: str):
     """A valid value of ``name`` other than its default."""
-    default = FIELDS[name].default
-    return (not default) if FIELDS[name].type == "bool" else (default or 1.0) / 2
+    field = FIELDS[name]
+    if field.metadata.get("choices"):
+        return next(choice for choice in field.metadata["choices"] if choice != field.default)
+    if field.type == "bool":
+        return not field.default
+    return "other" if "str" in str(field.type) else (field.default or 1.0) / 2
 
 
 def test_every_row_is_taken_by_a_family_and_the_cli_offers_exactly_the_rows():

@@ -68,6 +68,60 @@ def test_hard_negatives_are_exact_on_any_split(symmetric):
     print(f"mnrl with 2 hard-negative columns, symmetric={symmetric}: {report.worst:.1e}")
 
 
+def with_duplicates() -> tuple[torch.Tensor, ...]:
+    """``anchors_positives_negatives`` with three texts twice, equal embeddings for equal
+    texts, and each row's texts' ids last (``(rows, 3)``, rows first as the kit splits
+    inputs): anchor 5 is anchor 1, positive 4 positive 0, negative 3 positive 6, so
+    that duplicates fall on different ranks."""
+    columns = [x.clone() for x in anchors_positives_negatives(1)]
+    identities = torch.arange(3 * ROWS).reshape(3, ROWS)
+    for (column, row), (same_column, same_row) in (((0, 5), (0, 1)), ((1, 4), (1, 0)),
+                                                   ((2, 3), (1, 6))):  # fmt: skip
+        columns[column][row] = columns[same_column][same_row]
+        identities[column, row] = identities[same_column, same_row]
+    return *columns, identities.T.contiguous()
+
+
+class IdentityMaskedMNRL(torch.nn.Module):
+    """MNRL masking false negatives by the ids given as its last input; ``per_rank``: the
+    control, each rank's ids made its own, so that only duplicates on one rank match."""
+
+    def __init__(self, symmetric: bool = False, per_rank: bool = False) -> None:
+        super().__init__()
+        self.loss = MultipleNegativesRankingLoss(SCALE, symmetric=symmetric)
+        self.per_rank = per_rank
+
+    def forward(self, *columns_and_ids: torch.Tensor) -> torch.Tensor:
+        *columns, identities = columns_and_ids
+        if self.per_rank and torch.distributed.is_initialized():
+            identities = identities + torch.distributed.get_rank() * 2**40
+        return self.loss(*columns, identities=identities.T)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-direction", "symmetric"])
+def test_false_negatives_by_identity_are_left_out_as_the_reference_does(symmetric):
+    *columns, identities = with_duplicates()
+    ours = IdentityMaskedMNRL(symmetric)(*columns, identities)
+    reference = references.mnrl(*columns, scale=SCALE, symmetric=symmetric,
+                                identities=identities.T.tolist())  # fmt: skip
+    unmasked = MultipleNegativesRankingLoss(SCALE, symmetric=symmetric)(*columns)
+    error, control = (abs(value.item() - reference.item()) for value in (ours, unmasked))
+    print(f"masked by identity, symmetric={symmetric}: {error:.1e} from the reference; "
+          f"unmasked {control:.1e}")  # fmt: skip
+    assert error <= 1e-12 and control > 1e-3
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["one-direction", "symmetric"])
+def test_false_negatives_masked_across_ranks_are_exact_on_any_split(symmetric):
+    report = assert_loss_invariant(partial(IdentityMaskedMNRL, symmetric), with_duplicates)
+    print(f"masked by identity across the global batch, symmetric={symmetric}: "
+          f"{report.worst:.1e}")  # fmt: skip
+    with pytest.raises(AssertionError, match="not exact on 2 processes") as failure:
+        assert_loss_invariant(partial(IdentityMaskedMNRL, symmetric, per_rank=True),
+                              with_duplicates, world_sizes=(2,), splits={2: [[4, 3]]})  # fmt: skip
+    print(f"control, masked per rank: {str(failure.value).splitlines()[0]}")
+
+
 @pytest.mark.parametrize(
     "make_loss",
     [
@@ -297,3 +351,12 @@ def test_bf16_autocast_keeps_the_loss_float32_and_finite():
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert all(torch.isfinite(c.grad).all() for c in columns)
     assert loss.item() == pytest.approx(reference.item(), rel=2e-2)  # bf16: 8 mantissa bits
+    *columns, identities = with_duplicates()
+    columns = [x.float() for x in columns]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        masked = IdentityMaskedMNRL()(*(F.linear(c, torch.eye(WIDTH)) for c in columns), identities)
+    reference = references.mnrl(*(c.double() for c in columns), scale=SCALE,
+                                identities=identities.T.tolist())  # fmt: skip
+    print(f"bf16, masked: loss {masked.item():.4f}, float64 reference {reference.item():.4f}")
+    assert masked.dtype == torch.float32
+    assert masked.item() == pytest.approx(reference.item(), rel=2e-2)

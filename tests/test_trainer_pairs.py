@@ -92,6 +92,45 @@ def test_one_process_and_n_processes_train_the_same_towers(runs, flags, processe
     assert retrieval(reference) == pytest.approx(retrieval(runs(processes, *flags)), abs=1e-12)
 
 
+@pytest.fixture(scope="module")
+def duplicated_runs(tmp_path_factory, data):
+    """The pairs with texts repeated across rows, as real data repeat them: every third
+    row's positive is row 0's, and every fourth row's negative is row 1's positive."""
+    rows = [json.loads(line) for line in Path(data["pairs"]).read_text().splitlines()]
+    for index, row in enumerate(rows):
+        if index % 3 == 0:
+            row["positive"] = rows[0]["positive"]
+        if index % 4 == 2:
+            row["negative_1"] = rows[1]["positive"]
+    path = tmp_path_factory.mktemp("duplicated") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return TrainerRuns(tmp_path_factory, *COMMON, "--dataset", str(path),
+                       "--columns", COLUMNS, "--text-model", data["model"])  # fmt: skip
+
+
+MASKED = ("--mnrl-false-negatives", "identity")
+
+
+@pytest.mark.parametrize(
+    "flags, processes",
+    [(MASKED, 2), ((*MASKED, "--accumulation-chunks", "3"), 3),
+     ((*MASKED, "--mnrl-symmetric", *MATRYOSHKA, "--accumulation-chunks", "3"), 3)],
+    ids=["W2", "W3-K3", "symmetric-matryoshka-W3-K3"],
+)  # fmt: skip
+def test_false_negatives_masked_across_the_global_batch_train_alike(duplicated_runs, flags,
+                                                                     processes):  # fmt: skip
+    """A text equal to an anchor's positive is not its negative, wherever the ranks hold
+    it: 1 and N processes train the same model; the control, the same runs without the
+    masking, train another."""
+    reference = duplicated_runs(1, *one_chunk(flags))
+    error = final_files_difference(reference, duplicated_runs(processes, *flags))
+    unmasked = tuple(flag for flag in one_chunk(flags) if flag not in MASKED)
+    control = final_files_difference(reference, duplicated_runs(1, *unmasked))
+    print(f"masked false negatives {' '.join(flags)}, 1 vs {processes}: {error:.1e}; "
+          f"unmasked {control:.1e}")  # fmt: skip
+    assert error <= EXACT and control > 1e3 * EXACT
+
+
 def test_checkpointing_recomputes_the_same_masks_as_the_plain_run(runs):
     """--gradient-checkpointing recomputes each BERT layer in backward with the forward's
     per-sample dropout masks: the model trains as without it."""

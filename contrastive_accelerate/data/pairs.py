@@ -10,6 +10,7 @@ with its attention mask, which keeps the padding out of the result.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -335,12 +336,22 @@ def text_keys(dataset, columns: Sequence[str]) -> list[tuple[int, ...]]:
     ]  # fmt: skip
 
 
+def text_identity(text: str) -> int:
+    """A text as a signed 64-bit integer, equal for equal texts on every process and
+    every run (8 bytes of BLAKE2b: a collision is a 2**-64 event per pair)."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 class PairBatch(NamedTuple):
-    """A rank's share of a global batch: each column's token ids and attention mask."""
+    """A rank's share of a global batch: each column's token ids and attention mask, and
+    each column's texts as ``text_identity`` (``identities[column, row]``; None for an
+    image-text batch's captions), without their prompts."""
 
     columns: list[tuple[torch.Tensor, torch.Tensor]]
     indices: torch.Tensor  # each row's index in the dataset
     unreadable: list  # texts are always readable: kept for the loop's image checks
+    identities: torch.Tensor | None = None
 
     def split(self, chunks: int) -> list[PairBatch]:
         """Always ``chunks`` pieces (``tensor_split``), empty ones where the share is short."""
@@ -349,8 +360,11 @@ class PairBatch(NamedTuple):
             for ids, mask in self.columns
         ]
         indices = self.indices.tensor_split(chunks)
+        identities = [None] * chunks
+        if self.identities is not None:
+            identities = self.identities.tensor_split(chunks, dim=1)
         return [
-            PairBatch([column[chunk] for column in parts], indices[chunk], [])
+            PairBatch([column[chunk] for column in parts], indices[chunk], [], identities[chunk])
             for chunk in range(chunks)
         ]
 
@@ -384,17 +398,17 @@ class TextColumns(torch.utils.data.Dataset):
         """Why a stream's ``row`` cannot be a sample, if it cannot (``row_problem``)."""
         return row_problem(row, self.columns)
 
-    def item(self, row: dict, epoch: int, index: int) -> tuple[list[list[int]], int]:
+    def item(self, row: dict, epoch: int, index: int) -> tuple[list[list[int]], int, list[int]]:
         """Sample ``(epoch, index)`` from its ``row``: of a table, or of a stream."""
-        texts = [prefix + caption_of(row[column], self.seed, epoch, index)
-                 for prefix, column in zip(self.prefixes, self.columns, strict=True)]  # fmt: skip
-        encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
-        return encoded["input_ids"], index
+        texts = [caption_of(row[column], self.seed, epoch, index) for column in self.columns]
+        prompted = [prefix + text for prefix, text in zip(self.prefixes, texts, strict=True)]
+        encoded = self.tokenizer(prompted, truncation=True, max_length=self.max_length)
+        return encoded["input_ids"], index, [text_identity(text) for text in texts]
 
-    def collate(self, items: list[tuple[list[list[int]], int]]) -> PairBatch:
+    def collate(self, items: list[tuple[list[list[int]], int, list[int]]]) -> PairBatch:
         columns = []
         for column in range(len(self.columns)):
-            texts = [ids[column] for ids, _ in items]
+            texts = [ids[column] for ids, _, _ in items]
             longest = max((len(ids) for ids in texts), default=1)
             input_ids = torch.full((len(texts), longest), self.pad_id, dtype=torch.long)
             attention_mask = torch.zeros((len(texts), longest), dtype=torch.long)
@@ -402,8 +416,9 @@ class TextColumns(torch.utils.data.Dataset):
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, : len(ids)] = 1
             columns.append((input_ids, attention_mask))
-        indices = torch.tensor([index for _, index in items], dtype=torch.long)
-        return PairBatch(columns, indices, [])
+        indices = torch.tensor([index for _, index, _ in items], dtype=torch.long)
+        identities = torch.tensor([keys for _, _, keys in items], dtype=torch.long)
+        return PairBatch(columns, indices, [], identities.reshape(len(items), len(self.columns)).T)
 
 
 def caption_of(value, seed: int, epoch: int, index: int) -> str:
@@ -484,14 +499,14 @@ class ImageCaptions(torch.utils.data.Dataset):
             return view
         caption = caption_of(row[self.caption_column], self.seed, epoch, index)
         encoded = self.text.tokenizer(caption, truncation=True, max_length=self.text.max_length)
-        return view, [encoded["input_ids"]], index
+        return view, [encoded["input_ids"]], index, [text_identity(caption)]
 
     def collate(self, items: list) -> ImageTextBatch:
         unreadable = [item for item in items if isinstance(item, UnreadableImage)]
         kept = [item for item in items if not isinstance(item, UnreadableImage)]
-        texts = self.text.collate([(ids, index) for _, ids, index in kept])
+        texts = self.text.collate([text for _, *text in kept])
         images = (
-            torch.stack([view for view, _, _ in kept])
+            torch.stack([view for view, *_ in kept])
             if kept
             else torch.empty(0, 3, self.image_size, self.image_size)
         )

@@ -84,6 +84,10 @@ class LossOptions:
     mnrl_symmetric: bool = option(
         False, "mnrl: also each positive against every anchor", resume="apply"
     )
+    mnrl_false_negatives: str = option(
+        "keep", "mnrl: identity: no text is a negative of its own copy", resume="apply",
+        choices=("keep", "identity"),
+    )  # fmt: skip
     loss_tile_rows: int | None = option(
         None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
     )
@@ -124,6 +128,12 @@ def in_order(criterion, model, embeddings, labels, sizes):
 def with_labels(criterion, model, embeddings, labels, sizes):
     """``criterion(z0, z1, labels)``: supervised contrastive."""
     return criterion(*embeddings, labels, sizes=sizes)
+
+
+def ranked(criterion, model, embeddings, identities, sizes):
+    """``criterion(*columns, identities=...)``: the columns, and their texts' identities
+    where false negatives are masked (``--mnrl-false-negatives identity``), else None."""
+    return criterion(*embeddings, sizes=sizes, identities=identities)
 
 
 def clip_style(criterion, model, embeddings, labels, sizes):
@@ -190,8 +200,8 @@ LOSSES: dict[str, LossRow] = {
         lambda c: MultipleNegativesRankingLoss(
             c.mnrl_scale, symmetric=c.mnrl_symmetric, **tiled(c)
         ),
-        in_order,  # anchors, positives, then each negative column
-        ("mnrl_scale", "mnrl_symmetric"),
+        ranked,  # anchors, positives, then each negative column
+        ("mnrl_scale", "mnrl_symmetric", "mnrl_false_negatives"),
     ),
 }
 

@@ -139,14 +139,20 @@ class PairsMethod(Method):
     #: ``--matryoshka-dims`` and their weights (``matryoshka_terms``); None: off.
     matryoshka: tuple[tuple[int, ...], tuple[float, ...]] | None = None
 
-    def pair_loss(self, columns: list[torch.Tensor], sizes: Sequence[int] | None) -> torch.Tensor:
-        """The loss row's call on the columns' embeddings (``LossRow.call``), or with
+    def pair_loss(
+        self,
+        columns: list[torch.Tensor],
+        sizes: Sequence[int] | None,
+        identities: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The loss row's call on the columns' embeddings (``LossRow.call``; ``identities``:
+        the texts' ``PairBatch.identities`` for mnrl's masking), or with
         ``--matryoshka-dims`` its weighted sum over their leading dims
         (``losses.matryoshka``: a dim wider than the embeddings is a ``ValueError`` on every
         rank alike, one line)."""
 
         def loss(embeddings: list[torch.Tensor]) -> torch.Tensor:
-            return self.row.call(self.criterion, self.model, embeddings, None, sizes)
+            return self.row.call(self.criterion, self.model, embeddings, identities, sizes)
 
         if self.matryoshka is None:
             return loss(columns)

@@ -64,6 +64,7 @@ class TextPairsMethod(PairsMethod):
         from models.text import TextPairModel, TextTower
 
         self.seed, self.unique_texts = config.seed, config.unique_texts
+        self.masked = config.mnrl_false_negatives == "identity"  # same texts: no negatives
         encoder, tokenizer, self.inputs = text_encoder(config, data, data.columns)
         folder = sentence_folder(config)  # a sentence-transformers folder's own stack
         tower = TextTower(
@@ -130,7 +131,7 @@ class TextPairsMethod(PairsMethod):
         count = len(batch.columns)
         per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
         columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
-        return self.pair_loss(columns, sizes)
+        return self.pair_loss(columns, sizes, batch.identities if self.masked else None)
 
     def evaluate(self, knn: KnnData | None) -> dict[str, float]:
         """Retrieval on the held-out pairs: each anchor's positive among all of theirs
