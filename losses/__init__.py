@@ -17,6 +17,7 @@ from contrastive_accelerate.collectives import ShareSizes
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
+from losses.gist import GISTEmbedLoss
 from losses.matryoshka import MatryoshkaLoss
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
@@ -29,6 +30,7 @@ __all__ = [
     "DCLLoss",
     "DCLWLoss",
     "DINOLoss",
+    "GISTEmbedLoss",
     "InfoNCELoss",
     "MatryoshkaLoss",
     "MoCoLoss",

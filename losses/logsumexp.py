@@ -29,7 +29,8 @@ def tiled_logsumexp(
     """``lse_i = log sum_{j not excluded for i} exp(queries_i . keys_j)`` for every row i.
 
     ``excluded_columns``: ``(rows, k)`` column indices left out of row i's sum (a
-    sample's own column, its positive), or None. ``tile_rows``: rows per tile;
+    sample's own column, its positive), or a ``(rows, columns)`` boolean mask of them,
+    or None. A row must keep one column. ``tile_rows``: rows per tile;
     None picks one tile while the logits fit in ``dense_max_bytes``.
     """
     if tile_rows is None:
@@ -146,6 +147,8 @@ class _TiledLogSumExp(torch.autograd.Function):
 
 def _masked_logits(queries, keys, excluded_columns, start: int, tile_rows: int) -> torch.Tensor:
     logits = queries[start : start + tile_rows] @ keys.T
-    if excluded_columns is not None:
+    if excluded_columns is not None and excluded_columns.dtype == torch.bool:
+        logits.masked_fill_(excluded_columns[start : start + tile_rows], -math.inf)
+    elif excluded_columns is not None:
         logits.scatter_(1, excluded_columns[start : start + tile_rows], -math.inf)
     return logits
