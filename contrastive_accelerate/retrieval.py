@@ -128,3 +128,25 @@ def ranked_retrieval(
     figures = (sums / max(len(relevant), 1)).tolist()
     return {f"ndcg@{NDCG_AT}": figures[0], f"mrr@{MRR_AT}": figures[1],
             **{f"recall@{k}": figures[i] for i, k in enumerate(RECALL_AT, start=2)}}  # fmt: skip
+
+
+def first_texts(values: list) -> list[str]:
+    """Each row's text, or the first of its list: evaluation takes no draw."""
+    return [value if isinstance(value, str) else value[0] for value in values]
+
+
+def embed_texts(
+    tower: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tokenizer,
+    texts: list[str],
+    max_length: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``texts`` through ``tower`` (a model's ``project_texts``) on ``device``, padded to
+    their longest and truncated to ``max_length``; no texts: the tower's (0, width)."""
+    if not texts:
+        empty = torch.zeros((0, 1), dtype=torch.int64, device=device)
+        return tower(empty, empty)
+    tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
+                       return_tensors="pt")  # fmt: skip
+    return tower(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))

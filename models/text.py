@@ -50,12 +50,14 @@ class TextError(ValueError):
     """A text tower or tokenizer problem the user must fix: reported as one line."""
 
 
-def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
+def load_text_encoder(
+    name_or_path: str, dtype: torch.dtype = torch.float32, flag: str = "--text-model"
+):
     """``AutoModel`` and ``AutoTokenizer`` from a local directory or the hub, from
     safetensors only and without remote code: loading never executes code. Raises
-    ``TextError`` for a missing ``transformers``, an unloadable model or a tokenizer
-    without a pad token (the batches are padded)."""
-    encoder = load_auto_model(name_or_path, dtype, "--text-model", TextError)
+    ``TextError`` (naming ``flag``) for a missing ``transformers``, an unloadable model
+    or a tokenizer without a pad token (the batches are padded)."""
+    encoder = load_auto_model(name_or_path, dtype, flag, TextError)
     import transformers
 
     try:
@@ -65,11 +67,11 @@ def load_text_encoder(name_or_path: str, dtype: torch.dtype = torch.float32):
             name_or_path, trust_remote_code=False
         )
     except Exception as error:  # transformers raises many types; the user needs one line
-        raise TextError(f"cannot load --text-model {name_or_path!r}: {first_line(error)}") from None
+        raise TextError(f"cannot load {flag} {name_or_path!r}: {first_line(error)}") from None
     freeze_pooler(encoder)
     if tokenizer.pad_token_id is None:
         raise TextError(
-            f"the tokenizer of --text-model {name_or_path!r} has no pad token; set one "
+            f"the tokenizer of {flag} {name_or_path!r} has no pad token; set one "
             "(tokenizer.pad_token = ...) and save it again"
         )
     return encoder, tokenizer

@@ -18,6 +18,7 @@ from losses import (
     BarlowTwinsLoss,
     DCLLoss,
     DCLWLoss,
+    GISTEmbedLoss,
     InfoNCELoss,
     MultipleNegativesRankingLoss,
     NTXentLoss,
@@ -112,7 +113,7 @@ class Case:
 
     make: Callable[[], torch.nn.Module]
     reference: Callable[..., torch.Tensor]
-    extra: str = ""  # "labels", "scale" or "scale_bias"
+    extra: str = ""  # "labels", "guides", "scale" or "scale_bias"
     controls: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
@@ -170,6 +171,13 @@ CASES = {
         lambda a, b: references.mnrl(a, b, scale=MNRL_SCALE, symmetric=True),
         controls=GATHER_CONTROLS,
     ),
+    # The guide: the inputs themselves, detached (a frozen copy of the trained model).
+    "gist": Case(
+        lambda: GISTEmbedLoss(temperature=0.5, margin=0.05),
+        lambda a, b, guides: references.gist(a, b, guides, temperature=0.5, margin=0.05),
+        extra="guides",
+        controls=GATHER_CONTROLS,
+    ),
     "barlowtwins": Case(
         lambda: BarlowTwinsLoss(lambda_param=0.1),
         lambda a, b: references.barlow_twins(a, b, 0.1),
@@ -223,6 +231,8 @@ def call(case: Case, loss_fn, out0, out1, labels, log_scale=None, bias=None) -> 
     """``loss_fn`` on a batch, with what the case's forward takes besides the two inputs."""
     if case.extra == "labels":
         return loss_fn(out0, out1, labels)
+    if case.extra == "guides":
+        return loss_fn(out0, out1, guides=(out0.detach(), out1.detach()))
     if case.extra in ("scale", "scale_bias"):
         log_scale = torch.tensor(math.log(1.5)) if log_scale is None else log_scale
         bias = torch.tensor(-1.5) if bias is None else bias

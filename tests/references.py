@@ -108,6 +108,24 @@ def mnrl(
     return torch.stack(terms).mean()
 
 
+def gist(anchors, positives, guides, temperature: float, margin: float = 0.0) -> torch.Tensor:
+    """GISTEmbed with both contrasts and an absolute margin: each anchor's cross-entropy
+    over every positive, every anchor and (its positive's row) every positive's
+    similarity to its positive, divided by ``temperature``, leaving out each candidate
+    but the positive whose guide similarity (``guides``: the two columns' guide
+    embeddings) exceeds the positive's minus ``margin``."""
+    a, p = _unit(anchors), _unit(positives)
+    ga, gp = (_unit(g) for g in guides)
+    terms = []
+    for i in range(len(a)):
+        threshold = ga[i] @ gp[i] - margin
+        row = [a[i] @ p[j] for j in range(len(p)) if j == i or ga[i] @ gp[j] <= threshold]
+        row += [a[i] @ a[j] for j in range(len(a)) if ga[i] @ ga[j] <= threshold]
+        row += [p[i] @ p[j] for j in range(len(p)) if gp[i] @ gp[j] <= threshold]
+        terms.append(_log_sum_exp([x / temperature for x in row]) - a[i] @ p[i] / temperature)
+    return torch.stack(terms).mean()
+
+
 class RankOffsetMNRL(torch.nn.Module):
     """sentence-transformers' ``gather_across_devices=True`` restated: candidates gathered
     with their gradient, the mean over this rank's anchors, and each anchor's positive at

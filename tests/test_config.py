@@ -120,6 +120,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         "text_pooling",
         "prompts",
         "eval_beir",
+        "gist_guide",
         "zero_shot_template",
         "eval_dataset",
         "timm_model",

@@ -131,6 +131,44 @@ def test_false_negatives_masked_across_the_global_batch_train_alike(duplicated_r
     assert error <= EXACT and control > 1e3 * EXACT
 
 
+def gist(data, margin: str = "0.05") -> tuple[str, ...]:
+    """GISTEmbed guided by the tiny BERT as it starts: a frozen copy of the towers."""
+    return ("--loss", "gist", "--gist-guide", data["model"], "--gist-margin", margin)
+
+
+@pytest.mark.parametrize("extra, processes", [((), 2), (("--accumulation-chunks", "3"), 3)],
+                         ids=["W2", "W3-K3"])  # fmt: skip
+def test_gist_trains_alike_on_1_and_n_processes(runs, data, extra, processes):
+    """--loss gist: the guide's embeddings of every rank's texts vet every rank's
+    negatives; the control, a margin that leaves nothing out, trains another model."""
+    reference = runs(1, *gist(data))
+    error = final_files_difference(reference, runs(processes, *gist(data), *extra))
+    control = final_files_difference(reference, runs(1, *gist(data, margin="-2")))
+    print(f"--loss gist {' '.join(extra)}, 1 vs {processes}: {error:.1e}; a guide that "
+          f"leaves nothing out: {control:.1e}")  # fmt: skip
+    assert error <= EXACT and control > 1e3 * EXACT
+
+
+def test_a_guide_it_cannot_take_is_one_line_on_every_rank(data, tmp_path):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other-vocabulary"
+    shutil.copytree(data["model"], other)
+    tokenizer = AutoTokenizer.from_pretrained(str(other))
+    tokenizer.add_tokens(["zebra"])
+    tokenizer.save_pretrained(str(other))
+    common = (*COMMON, "--dataset", data["pairs"], "--text-model", data["model"],
+              "--columns", COLUMNS)  # fmt: skip
+    for flags, message in (
+        (("--loss", "gist"), "--loss gist needs --gist-guide"),
+        (("--loss", "gist", "--gist-guide", str(other)), "(another vocabulary)"),
+        (("--gist-guide", data["model"]), "--gist-guide does not apply"),
+    ):
+        result = train_pooled(2, *common, *flags, "--output-dir", str(tmp_path / "run"),
+                              check=False)  # fmt: skip
+        one_line_errors(result, message, 2)
+
+
 def test_checkpointing_recomputes_the_same_masks_as_the_plain_run(runs):
     """--gradient-checkpointing recomputes each BERT layer in backward with the forward's
     per-sample dropout masks: the model trains as without it."""

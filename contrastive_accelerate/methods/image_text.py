@@ -32,8 +32,6 @@ from contrastive_accelerate.methods.loss_table import LOSSES
 from contrastive_accelerate.methods.pairs import (
     PairsMethod,
     adapted,
-    embed_texts,
-    first_texts,
     freeze_unreached,
     held_out_pairs,
     say_truncated,
@@ -44,7 +42,7 @@ from contrastive_accelerate.methods.pairs import (
     weights_digest,
 )
 from contrastive_accelerate.methods.sentence_tools import matryoshka_terms
-from contrastive_accelerate.retrieval import paired_retrieval
+from contrastive_accelerate.retrieval import embed_texts, first_texts, paired_retrieval
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import SimCLR, sample_keys
 from models.checkpointing import checkpoint_timm_blocks, running_statistics_kept

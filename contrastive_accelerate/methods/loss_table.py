@@ -4,8 +4,8 @@ A row says how the criterion is made from the run's options (``make``), how a me
 calls it on its embeddings (``call``), the options it reads (set with another loss,
 they are refused), its own defaults, and, for the two-view methods, the projection head
 it wants and whether it needs labels. Which losses a method takes is its families'
-business (``Family.losses``, the first the default): SimCLR's eight, text pairs' MNRL,
-image-text's InfoNCE and SigLIP, which SimCLR also takes on two views.
+business (``Family.losses``, the first the default): SimCLR's eight, text pairs' MNRL
+and GISTEmbed, image-text's InfoNCE and SigLIP, which SimCLR also takes on two views.
 
 Every call has one shape, ``call(criterion, model, embeddings, labels, sizes)``:
 ``embeddings`` the method's columns in order (SimCLR's two views; image-text's images,
@@ -41,6 +41,7 @@ from losses import (
     BarlowTwinsLoss,
     DCLLoss,
     DCLWLoss,
+    GISTEmbedLoss,
     InfoNCELoss,
     MultipleNegativesRankingLoss,
     NTXentLoss,
@@ -48,6 +49,7 @@ from losses import (
     SupConLoss,
     VICRegLoss,
 )
+from losses.gist import MARGIN_STRATEGIES
 
 
 @dataclass
@@ -88,6 +90,23 @@ class LossOptions:
         "keep", "mnrl: identity: no text is a negative of its own copy", resume="apply",
         choices=("keep", "identity"),
     )  # fmt: skip
+    gist_guide: str | None = option(
+        None, "gist: the frozen guide, a sentence-transformers or transformers folder"
+    )
+    gist_temperature: float = option(
+        0.01, "gist: temperature of the cosine similarities", resume="apply", above=0.0
+    )
+    gist_margin: float = option(0.0, "gist: how far the guide's margin reaches", resume="apply")
+    gist_margin_strategy: str = option(
+        "absolute", "gist: the margin absolute or relative to the positive's", resume="apply",
+        choices=MARGIN_STRATEGIES,
+    )  # fmt: skip
+    gist_contrast_anchors: bool = option(
+        True, "gist: anchors are each other's negatives too", resume="apply"
+    )
+    gist_contrast_positives: bool = option(
+        True, "gist: positives are each other's negatives too", resume="apply"
+    )
     loss_tile_rows: int | None = option(
         None, "loss rows computed at a time; none: dense up to 1 GiB", resume="free", at_least=1
     )
@@ -134,6 +153,11 @@ def ranked(criterion, model, embeddings, identities, sizes):
     """``criterion(*columns, identities=...)``: the columns, and their texts' identities
     where false negatives are masked (``--mnrl-false-negatives identity``), else None."""
     return criterion(*embeddings, sizes=sizes, identities=identities)
+
+
+def guided(criterion, model, embeddings, guides, sizes):
+    """``criterion(*columns, guides=...)``: GISTEmbed's columns and its guide's embeddings."""
+    return criterion(*embeddings, guides=guides, sizes=sizes)
 
 
 def clip_style(criterion, model, embeddings, labels, sizes):
@@ -203,6 +227,25 @@ LOSSES: dict[str, LossRow] = {
         ranked,  # anchors, positives, then each negative column
         ("mnrl_scale", "mnrl_symmetric", "mnrl_false_negatives"),
     ),
+    "gist": LossRow(
+        lambda c: GISTEmbedLoss(
+            c.gist_temperature,
+            c.gist_margin_strategy,
+            c.gist_margin,
+            c.gist_contrast_anchors,
+            c.gist_contrast_positives,
+            **tiled(c),
+        ),  # fmt: skip
+        guided,  # the columns as mnrl's, and the guide's embeddings of them
+        (
+            "gist_guide",
+            "gist_temperature",
+            "gist_margin",
+            "gist_margin_strategy",
+            "gist_contrast_anchors",
+            "gist_contrast_positives",
+        ),
+    ),  # fmt: skip
 }
 
 #: The options of the losses: each reads its own (``LossRow.options``).

@@ -97,7 +97,7 @@ LORA_OPTIONS = (*field_names(LoRAOptions), "lora_towers")
 #: take no image; image-text pairs read any source and take every image tower.
 TEXT_PAIRS = Family(
     "--method pairs (text pairs)", ("table", "stream", "mixture"), None,
-    reads=("gradient_checkpointing",), losses=("mnrl",),
+    reads=("gradient_checkpointing",), losses=("mnrl", "gist"),
 )  # fmt: skip
 IMAGE_TEXT = Family(
     "--method pairs (image-text)", EVERY_SOURCE, ("scratch", "transformers", "clip", "timm"),
@@ -218,6 +218,8 @@ def check(config) -> None:
         raise ConfigError("--method pairs needs --columns anchor,positive[,negative...]")
     if config.loss is not None and config.loss not in PAIR_LOSSES:
         raise ConfigError(f"--loss {config.loss} does not apply to --method pairs")
+    if config.loss == "gist" and not config.gist_guide:
+        raise ConfigError("--loss gist needs --gist-guide, the frozen guide model's folder")
     matryoshka_terms(config)
     prompts_of(config)
     check_beir(config)
@@ -251,12 +253,16 @@ def check_data(config, data: PairData) -> None:
         )
     composition.check_family(config, family(data))
     if data.image_column is None:
-        if (config.loss or "mnrl") not in TEXT_PAIR_LOSSES:
-            raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl")
+        loss = config.loss or TEXT_PAIR_LOSSES[0]
+        if loss not in TEXT_PAIR_LOSSES:
+            raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl or gist")
+        for name in (n for n in options_of(TEXT_PAIR_LOSSES) if is_set(config, n)):
+            if name not in LOSSES[loss].options:  # another text row's, --loss left to the data
+                raise TrainerError(f"{flag(name)} does not apply to --loss {loss}")
         # Only the data tell text pairs from image-text: the options cannot refuse these.
         defaults = type(config)(
             dataset=config.dataset, columns=config.columns, loss=config.loss,
-            max_steps=config.max_steps, streaming=config.streaming,
+            max_steps=config.max_steps, streaming=config.streaming, gist_guide=config.gist_guide,
         ).resolved()  # fmt: skip
         for name in IMAGE_OPTIONS:
             if getattr(config, name) != getattr(defaults, name):
@@ -312,8 +318,10 @@ def reads(config) -> tuple[str, ...]:
     """Without ``--loss`` the data decide between text and image-text (``check_data``
     refuses what the data's kind does not read); with it, the loss does."""
     everything = ("loss", *TEXT_OPTIONS, *SCALE_OPTIONS)
-    if config.loss in TEXT_PAIR_LOSSES:
-        return tuple(name for name in everything if name not in (*IMAGE_OPTIONS, *SCALE_OPTIONS))
+    if config.loss in TEXT_PAIR_LOSSES:  # not the image options, nor another text row's
+        other_rows = set(options_of(TEXT_PAIR_LOSSES)) - set(LOSSES[config.loss].options)
+        unread = (*IMAGE_OPTIONS, *SCALE_OPTIONS, *other_rows)
+        return tuple(name for name in everything if name not in unread)
     if config.loss in IMAGE_TEXT_LOSSES:
         unread = image_text_unread(config.loss)
         return tuple(name for name in everything if name not in unread)
@@ -492,25 +500,3 @@ def say_truncated(data: PairData, columns, tokenizer, max_length: int, say: Say)
             f"notice: {truncated} of {total} {texts} are longer than --max-length {max_length} "
             "tokens and are truncated"
         )
-
-
-def first_texts(values: list) -> list[str]:
-    """Each row's text, or the first of its list: evaluation takes no draw."""
-    return [value if isinstance(value, str) else value[0] for value in values]
-
-
-def embed_texts(
-    tower: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    tokenizer,
-    texts: list[str],
-    max_length: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """``texts`` through ``tower`` (a model's ``project_texts``) on ``device``, padded to
-    their longest and truncated to ``max_length``; no texts: the tower's (0, width)."""
-    if not texts:
-        empty = torch.zeros((0, 1), dtype=torch.int64, device=device)
-        return tower(empty, empty)
-    tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_length,
-                       return_tensors="pt")  # fmt: skip
-    return tower(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))

@@ -1,10 +1,11 @@
 """Text-text pairs, sentence-transformers' convention: ``--columns anchor,positive[,
 negative...]`` through one or two ``transformers`` towers, scored by
-``MultipleNegativesRankingLoss`` over the global batch."""
+``MultipleNegativesRankingLoss`` or ``GISTEmbedLoss`` over the global batch."""
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from functools import partial
 
@@ -14,17 +15,18 @@ from torch import nn
 from contrastive_accelerate.data.beir import load_beir
 from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.pairs import MixedPairs, PairBatch, PairData, TextColumns
+from contrastive_accelerate.hub import unreachable_reason
 from contrastive_accelerate.knn import KnnData
+from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import DTYPES, Say
 from contrastive_accelerate.methods.loss_table import LOSSES
 from contrastive_accelerate.methods.pairs import (
     TEXT_PAIR_LOSSES,
     PairsMethod,
-    embed_texts,
-    first_texts,
     say_truncated,
     text_dropout,
     text_encoder,
+    text_model_digests,
 )
 from contrastive_accelerate.methods.sentence_tools import (
     folder_prompts,
@@ -33,7 +35,12 @@ from contrastive_accelerate.methods.sentence_tools import (
     say_overridden,
     sentence_folder,
 )
-from contrastive_accelerate.retrieval import paired_retrieval, ranked_retrieval
+from contrastive_accelerate.retrieval import (
+    embed_texts,
+    first_texts,
+    paired_retrieval,
+    ranked_retrieval,
+)
 from contrastive_accelerate.sharding import reshard_after_evaluation
 from models import sample_keys
 
@@ -106,6 +113,11 @@ class TextPairsMethod(PairsMethod):
         self.row = LOSSES[config.loss or TEXT_PAIR_LOSSES[0]]
         self.criterion = self.row.make(config)
         self.matryoshka = matryoshka_terms(config)
+        self.guide = None  # --loss gist's frozen guide: no weight of the trained model
+        if config.loss == "gist":
+            self.guide, digests = guide_tower(config, tokenizer, DTYPES[config.dtype])
+            self.guide.to(device)
+            self.inputs = {**self.inputs, "gist_guide": digests}
 
     def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
         """Every column of one chunk, column after column; column c's dropout keyed by
@@ -131,6 +143,13 @@ class TextPairsMethod(PairsMethod):
         count = len(batch.columns)
         per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
         columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
+        if self.guide is not None:  # the guide's embeddings of the same texts
+            device = columns[0].device
+            with torch.no_grad():
+                guides = [
+                    self.guide(ids.to(device), mask.to(device)) for ids, mask in batch.columns
+                ]
+            return self.pair_loss(columns, sizes, guides)
         return self.pair_loss(columns, sizes, batch.identities if self.masked else None)
 
     def evaluate(self, knn: KnnData | None) -> dict[str, float]:
@@ -167,3 +186,36 @@ class TextPairsMethod(PairsMethod):
             model.train()
             reshard_after_evaluation(model)
         return figures
+
+
+def guide_tower(config, tokenizer, dtype: torch.dtype) -> tuple[nn.Module, dict[str, str]]:
+    """``--gist-guide``, the frozen guide of ``--loss gist``: a sentence-transformers folder
+    taken as it is (its pooling, Dense and Normalize) or a transformers model under mean
+    pooling, in eval mode, without gradients; and its digests, which a resume compares.
+    It reads the trained towers' tokens: a guide with another vocabulary is refused."""
+    from models.sentence_folder import read_sentence_folder
+    from models.text import TextTower, load_text_encoder
+
+    path = config.gist_guide
+    if reason := unreachable_reason(path, "models"):
+        raise TrainerError(f"cannot load --gist-guide {path!r}: {reason}")
+    folder = read_sentence_folder(path)
+    model_path = os.path.join(path, folder.transformer) if folder else path
+    encoder, guide_tokenizer = load_text_encoder(model_path, dtype, flag="--gist-guide")
+    if guide_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise TrainerError(
+            f"--gist-guide {path!r} reads other tokens than the trained towers (another "
+            "vocabulary): a guide that needs its own tokenization is not taken here yet"
+        )
+    positions = getattr(encoder.config, "max_position_embeddings", None)
+    if positions is not None and positions < config.max_length:
+        raise TrainerError(
+            f"--max-length {config.max_length}: --gist-guide {path!r} takes {positions} positions"
+        )
+    tower = TextTower(
+        encoder,
+        folder.pooling if folder else "mean",
+        dense=folder.dense_layers(dtype) if folder else None,
+        normalize=folder.normalize if folder else False,
+    )
+    return tower.to(dtype).eval().requires_grad_(False), text_model_digests(encoder, tokenizer)
