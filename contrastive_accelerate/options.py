@@ -250,7 +250,8 @@ class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
         left out."""
         names = {field.name for field in dataclasses.fields(cls)}
         values = {name: value for name, value in values.items() if name in names}
-        shaping = ("method", "loss", "columns", "dataset", "max_steps", "streaming")
+        # What decides the options read, and what a valid choice of them needs.
+        shaping = ("method", "loss", "columns", "dataset", "max_steps", "streaming", "gist_guide")
         shape = cls(**{name: values[name] for name in shaping if name in values})
         read = METHODS[shape.chosen_method].read_by(shape)
         return cls(

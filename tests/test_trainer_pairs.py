@@ -248,6 +248,29 @@ def test_a_tokenizer_changed_in_place_is_refused_on_resume(runs, data, tmp_path)
     print(line)
 
 
+def test_a_guide_with_other_weights_is_refused_on_resume(runs, data, tmp_path):
+    """--loss gist resumed with the guide's weights changed at the same options: refused
+    on every rank, naming the guide; the same guide at another path resumes."""
+    from safetensors.torch import save_file
+
+    straight = runs(1, *gist(data), "--save-every", "2")
+    guide = shutil.copytree(data["model"], tmp_path / "guide")
+    resume = ("--resume-from", str(straight / "checkpoint-2"), "--output-dir")
+    moved = train_pooled(2, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS,
+                         "--text-model", data["model"], *gist(data)[:2], "--gist-guide",
+                         str(guide), *gist(data)[4:], *resume, str(tmp_path / "moved"))  # fmt: skip
+    assert moved.returncode == 0
+    weights = load_file(guide / "model.safetensors")
+    save_file({name: value + 0.01 for name, value in weights.items()},
+              str(guide / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    result = train_pooled(2, *COMMON, "--dataset", data["pairs"], "--columns", COLUMNS,
+                          "--text-model", data["model"], *gist(data)[:2], "--gist-guide",
+                          str(guide), *gist(data)[4:], *resume, str(tmp_path / "changed"),
+                          check=False)  # fmt: skip
+    (line,) = set(one_line_errors(result, "--gist-guide's weights (content digest", 2))
+    print(line)
+
+
 def test_final_loads_in_transformers_and_sentence_transformers_and_embeds_alike(runs):
     """final/tower0 through AutoModel and AutoTokenizer, final/sentence_transformer through
     SentenceTransformer: each embeds as the trained weights of final/model.safetensors do."""
