@@ -21,7 +21,7 @@ import torch.distributed as dist
 from accelerate import Accelerator, DistributedType
 from accelerate.utils import InitProcessGroupKwargs
 
-from contrastive_accelerate.ranks import end_process_group, settle_before_exit
+from contrastive_accelerate.ranks import settle_before_exit
 
 #: Each process holds a full replica (DDP) or there is one process; ``--fsdp`` shards it
 #: over a MULTI_* launch itself (``contrastive_accelerate.sharding``).
@@ -123,7 +123,8 @@ def one_line_errors() -> Iterator[None]:
             settle_before_exit()
         sys.exit(2)
     finally:
-        end_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def collective_failure(error: RuntimeError) -> bool:
