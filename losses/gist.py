@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contrastive_accelerate import collectives
-from losses.inputs import check_batch
+from losses.inputs import check_batch, require_global_batch
 from losses.logsumexp import DENSE_MAX_BYTES, tiled_logsumexp
 from losses.precision import autocast_off, compute_dtype
 
@@ -86,6 +86,8 @@ class GISTEmbedLoss(nn.Module):
             name, anchors, positives, gather_distributed=self.gather_distributed, sizes=sizes
         )
         columns = (anchors, positives, *negatives)
+        if not negatives:
+            require_global_batch(name, sizes, 2, "so that every anchor has a negative")
         if len(guides) != len(columns):
             raise ValueError(f"{name}: {len(guides)} guide columns for {len(columns)} columns")
         for column, (x, guide) in enumerate(zip(columns, guides, strict=True)):

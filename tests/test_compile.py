@@ -60,7 +60,7 @@ def compiled_loss_worker(rank: int, world_size: int, names: list[str], autocast:
 
 
 def _with_sizes(loss_fn):
-    return lambda *inputs: loss_fn(*inputs, sizes=SIZES)
+    return lambda *inputs, **keywords: loss_fn(*inputs, sizes=SIZES, **keywords)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["float32", "bf16-autocast"])

@@ -246,10 +246,12 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
                 ),
                 "scale": (bad_scale,),
                 "scale_bias": (bad_scale, bias),
+                "guides": (),
                 "": (),
             }[case.extra]
+            guided = {"guides": (out0, out1)} if case.extra == "guides" else {}
             try:
-                criterion(out0, out1, *extra)
+                criterion(out0, out1, *extra, **guided)
                 messages[name, problem] = None
             except ValueError as error:
                 messages[name, problem] = str(error)
