@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from contrastive_accelerate.data.pairs import TextColumns
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.testing import assert_loss_invariant
-from losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+from losses import GISTEmbedLoss, MatryoshkaLoss, MultipleNegativesRankingLoss
 
 import references
 from launch import WORDS, make_text_model
@@ -266,6 +266,52 @@ def test_gradient_caching_equals_sentence_transformers_cached_mnrl(tiny_bert, ch
         assert value <= 1e-12 and worst <= 1e-12
     else:
         assert worst > 1e-4
+
+
+@pytest.mark.parametrize(
+    "chunks, cached", [(1, True), (3, True), (3, False)],
+    ids=["gist", "cached-gist", "accumulated-gist"],
+)  # fmt: skip
+def test_the_trainers_path_equals_sentence_transformers_gist_on_a_tower(tiny_bert, chunks,
+                                                                        cached):  # fmt: skip
+    """The trainer's path (TextColumns, TextPairModel, gradient caching in ``chunks``)
+    with the tiny BERT as it starts as its guide, against sentence-transformers'
+    ``GISTEmbedLoss`` and ``CachedGISTEmbedLoss(mini_batch_size=2)`` on the same towers,
+    float64: the loss and every encoder weight's gradient within 1e-12. The control,
+    "accumulated", is plain gradient accumulation over the same chunks."""
+    import copy
+
+    model, batch, peer_model, features = ours_and_peers(tiny_bert)
+    guide = copy.deepcopy(model.towers[0]).eval()
+    with torch.no_grad():
+        guides = [guide(ids, mask) for ids, mask in batch.columns]
+    criterion = partial(_with_guides, GISTEmbedLoss(temperature=0.05, margin=0.02))
+    if cached:
+        ours = our_loss(model, batch, partial(criterion, guides), chunks)
+    else:  # each chunk's loss with its own rows' guides, averaged
+        pieces = [[g.tensor_split(chunks)[k] for g in guides] for k in range(chunks)]
+        loss_of = iter([partial(criterion, piece) for piece in pieces])
+        ours = our_loss(model, batch, lambda *c: next(loss_of)(*c), chunks, cached=False)
+    peer_guide = copy.deepcopy(peer_model).eval()
+    options = {"temperature": 0.05, "margin": 0.02}
+    peer = (
+        st_losses.CachedGISTEmbedLoss(peer_model, peer_guide, mini_batch_size=2, **options)
+        if chunks > 1
+        else st_losses.GISTEmbedLoss(peer_model, peer_guide, **options)
+    )
+    theirs = peer(features, None)
+    theirs.backward()
+    worst, value = gradient_gap(model, peer_model), abs(ours.item() - theirs.item())
+    print(f"{'cached ' if chunks > 1 else ''}GIST ({'cached' if cached else 'accumulated'}) "
+          f"vs sentence-transformers: value {value:.1e}, gradients {worst:.1e}")  # fmt: skip
+    if cached:
+        assert value <= 1e-12 and worst <= 1e-12
+    else:
+        assert worst > 1e-4
+
+
+def _with_guides(criterion, guides, *columns):
+    return criterion(*columns, guides=guides)
 
 
 MATRYOSHKA_DIMS, MATRYOSHKA_WEIGHTS = (16, 8, 4), (1.0, 0.5, 0.25)
