@@ -143,16 +143,16 @@ class PairsMethod(Method):
         self,
         columns: list[torch.Tensor],
         sizes: Sequence[int] | None,
-        identities: torch.Tensor | None = None,
+        labels: Any = None,
     ) -> torch.Tensor:
-        """The loss row's call on the columns' embeddings (``LossRow.call``; ``identities``:
-        the texts' ``PairBatch.identities`` for mnrl's masking), or with
+        """The loss row's call on the columns' embeddings (``LossRow.call``; ``labels``:
+        mnrl's ``PairBatch.identities``, gist's guide embeddings), or with
         ``--matryoshka-dims`` its weighted sum over their leading dims
         (``losses.matryoshka``: a dim wider than the embeddings is a ``ValueError`` on every
         rank alike, one line)."""
 
         def loss(embeddings: list[torch.Tensor]) -> torch.Tensor:
-            return self.row.call(self.criterion, self.model, embeddings, identities, sizes)
+            return self.row.call(self.criterion, self.model, embeddings, labels, sizes)
 
         if self.matryoshka is None:
             return loss(columns)
