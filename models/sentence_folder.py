@@ -85,6 +85,26 @@ class SentenceFolder:
         return nn.Sequential(*layers).to(dtype)
 
 
+def load_sentence_tower(path: str, dtype: torch.dtype, flag: str):
+    """``path`` as a frozen embedder, as sentence-transformers loads it: a
+    sentence-transformers folder taken as it is (its pooling, Dense layers and
+    Normalize) or a plain ``transformers`` model under mean pooling, in eval mode and
+    without gradients; with its tokenizer and its folder (None for a plain model).
+    Errors name ``flag``."""
+    from models.text import TextTower, load_text_encoder
+
+    folder = read_sentence_folder(path)
+    model_path = os.path.join(path, folder.transformer) if folder else path
+    encoder, tokenizer = load_text_encoder(model_path, dtype, flag=flag)
+    tower = TextTower(
+        encoder,
+        folder.pooling if folder else "mean",
+        dense=folder.dense_layers(dtype) if folder else None,
+        normalize=folder.normalize if folder else False,
+    )
+    return tower.to(dtype).eval().requires_grad_(False), tokenizer, folder
+
+
 def read_sentence_folder(path: str) -> SentenceFolder | None:
     """``path``'s sentence-transformers stack, or None when it has no ``modules.json``
     (a plain ``transformers`` folder, or a hub name). A module it cannot take (another

@@ -137,6 +137,7 @@ def train_pooled(
     check: bool = True,
     environment: dict[str, str] | None = None,
     within: Callable[[], contextlib.AbstractContextManager] | None = None,
+    command: str = "trainer",
 ) -> subprocess.CompletedProcess:
     """``trainer.py ARGS`` on ``num_processes`` ranks of the session's worker pool: what
     ``launch`` returns (the exit code of the first rank that failed, every rank's output
@@ -145,13 +146,15 @@ def train_pooled(
     ``environment``: what the launcher's flags would add to ``ENV`` (``accelerate launch
     --mixed_precision bf16`` sets ``ACCELERATE_MIXED_PRECISION=bf16``). ``within``: a
     picklable context manager factory that each rank enters around the run, and leaves
-    the worker as it found it (a project's own row in a table)."""
+    the worker as it found it (a project's own row in a table). ``command``: the module
+    whose ``main`` the ranks run (``contrastive_accelerate.mine``), the trainer's by
+    default."""
     from contrastive_accelerate.workers import free_port, run_in_workers
 
     with tempfile.TemporaryDirectory(prefix="pooled-run-") as captured:
         try:
             per_rank = run_in_workers(
-                _trainer_main, num_processes, free_port(), list(trainer_args),
+                _command_main, num_processes, free_port(), command, list(trainer_args),
                 {**ENV, **(environment or {})}, os.getcwd(), within, captured,
                 timeout_s=timeout,
             )  # fmt: skip
@@ -159,41 +162,43 @@ def train_pooled(
             raise ChildProcessError(f"{died}\n{_last_words(Path(captured))}") from None
     codes = [code for code, _, _ in per_rank]
     result = subprocess.CompletedProcess(
-        ["trainer.py", *trainer_args],
+        [command, *trainer_args],
         next((code for code in codes if code), 0),
         "".join(stdout for _, stdout, _ in per_rank),
         "".join(stderr for _, _, stderr in per_rank),
     )
     if check and result.returncode != 0:
         raise AssertionError(
-            f"pooled trainer.py {' '.join(trainer_args)} on {num_processes} process(es) "
+            f"pooled {command} {' '.join(trainer_args)} on {num_processes} process(es) "
             f"exited {codes}:\n{result.stdout}\n{result.stderr}"
         )
     return result
 
 
-def _trainer_main(
+def _command_main(
     rank: int,
     world_size: int,
     port: int,
+    command: str,
     argv: list[str],
     environment: dict[str, str],
     working_directory: str,
     within: Callable[[], contextlib.AbstractContextManager] | None,
     captured: str,
 ) -> tuple[int, str, str]:
-    """One rank of a pooled run: ``trainer.main(argv)`` from a fresh process's state, in
+    """One rank of a pooled run: ``command.main(argv)`` from a fresh process's state, in
     the caller's working directory (where a launch would start), with its exit code and
     what it wrote to stdout and stderr (kept in ``captured``, where the caller still finds
     it if the process dies)."""
-    import trainer
+    import importlib
 
+    main = importlib.import_module(command).main
     fresh_process_state(rank, world_size, port, environment)
     os.chdir(working_directory)
     files = Path(captured) / f"rank{rank}.out", Path(captured) / f"rank{rank}.err"
     with _captured_output(*files) as output, within() if within else contextlib.nullcontext():
         try:
-            trainer.main(argv)
+            main(argv)
             code = 0
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
@@ -624,6 +629,29 @@ def make_text_model(
     BertModel(config, add_pooling_layer=False).save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root
+
+
+def make_sentence_transformer(root: Path, pooling: str = "cls", activation: str = "tanh") -> Path:
+    """The tiny BERT (dropout 0) under ``pooling``, a Dense of 16 -> 8 (``activation``:
+    tanh or identity) and Normalize, 16 tokens at most and a "query: " prompt, saved by
+    sentence-transformers in ``root``."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    bert = make_text_model(root / "bert", dropout=0.0)
+    torch.manual_seed(0)
+    activation_function = {"tanh": torch.nn.Tanh(), "identity": torch.nn.Identity()}[activation]
+    modules = [Transformer(str(bert), max_seq_length=16), Pooling(16, pooling),
+               Dense(16, 8, activation_function=activation_function), Normalize()]  # fmt: skip
+    model = SentenceTransformer(modules=modules, device="cpu", prompts={"query": "query: "})
+    model.save(str(root / "sentence-transformer"))
+    return root / "sentence-transformer"
 
 
 def make_tokenizer(*, pad_token: bool = True):

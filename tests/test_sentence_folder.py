@@ -25,7 +25,13 @@ from contrastive_accelerate.methods import METHODS
 from models.text import POOLINGS
 from trainer import TrainConfig
 
-from launch import TrainerRuns, final_files_difference, make_text_model, train_pooled
+from launch import (
+    TrainerRuns,
+    final_files_difference,
+    make_sentence_transformer,
+    make_text_model,
+    train_pooled,
+)
 
 pytest.importorskip("sentence_transformers")
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
@@ -37,24 +43,9 @@ TEXTS = ["red cat runs", "the quick dog jumps over a stone near the river"]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    """The tiny BERT (dropout 0) under CLS pooling, a Dense of 16 -> 8 with tanh and
-    Normalize, 16 tokens at most and a "query: " prompt, saved by sentence-transformers."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import (
-        Dense,
-        Normalize,
-        Pooling,
-        Transformer,
-    )
-
-    bert = make_text_model(tmp_path_factory.mktemp("bert"), dropout=0.0)
-    torch.manual_seed(0)
-    modules = [Transformer(str(bert), max_seq_length=16), Pooling(16, "cls"), Dense(16, 8),
-               Normalize()]  # fmt: skip
-    path = tmp_path_factory.mktemp("sentence-transformer")
-    model = SentenceTransformer(modules=modules, device="cpu", prompts={"query": "query: "})
-    model.save(str(path))
-    return str(path)
+    """The tiny BERT under CLS pooling, a Dense with tanh and Normalize, 16 tokens at most
+    and a "query: " prompt (``make_sentence_transformer``)."""
+    return str(make_sentence_transformer(tmp_path_factory.mktemp("sentence-transformer")))
 
 
 @pytest.fixture(scope="module")

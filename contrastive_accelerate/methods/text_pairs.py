@@ -5,7 +5,6 @@ negative...]`` through one or two ``transformers`` towers, scored by
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Sequence
 from functools import partial
 
@@ -193,29 +192,20 @@ def guide_tower(config, tokenizer, dtype: torch.dtype) -> tuple[nn.Module, dict[
     taken as it is (its pooling, Dense and Normalize) or a transformers model under mean
     pooling, in eval mode, without gradients; and its digests, which a resume compares.
     It reads the trained towers' tokens: a guide with another vocabulary is refused."""
-    from models.sentence_folder import read_sentence_folder
-    from models.text import TextTower, load_text_encoder
+    from models.sentence_folder import load_sentence_tower
 
     path = config.gist_guide
     if reason := unreachable_reason(path, "models"):
         raise TrainerError(f"cannot load --gist-guide {path!r}: {reason}")
-    folder = read_sentence_folder(path)
-    model_path = os.path.join(path, folder.transformer) if folder else path
-    encoder, guide_tokenizer = load_text_encoder(model_path, dtype, flag="--gist-guide")
+    tower, guide_tokenizer, _ = load_sentence_tower(path, dtype, flag="--gist-guide")
     if guide_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise TrainerError(
             f"--gist-guide {path!r} reads other tokens than the trained towers (another "
             "vocabulary): a guide that needs its own tokenization is not taken here yet"
         )
-    positions = getattr(encoder.config, "max_position_embeddings", None)
+    positions = getattr(tower.encoder.config, "max_position_embeddings", None)
     if positions is not None and positions < config.max_length:
         raise TrainerError(
             f"--max-length {config.max_length}: --gist-guide {path!r} takes {positions} positions"
         )
-    tower = TextTower(
-        encoder,
-        folder.pooling if folder else "mean",
-        dense=folder.dense_layers(dtype) if folder else None,
-        normalize=folder.normalize if folder else False,
-    )
-    return tower.to(dtype).eval().requires_grad_(False), text_model_digests(encoder, tokenizer)
+    return tower, text_model_digests(tower.encoder, tokenizer)
