@@ -369,7 +369,7 @@ def negatives(
         finite = (scores > -math.inf).sum(dim=1).clamp(min=n).tolist()
         picks = torch.tensor([sorted(random.Random(options.seed * 2**32 + q).sample(range(m), n))
                               for q, m in enumerate(finite)], dtype=torch.int64)  # fmt: skip
-        picks = picks.reshape(len(finite), n)
+        picks = picks.reshape(len(finite), n).to(scores.device)
         scores, indices = scores.gather(1, picks), indices.gather(1, picks)
     rows = table_rows(options, pairs, scores, indices, positive_scores)
     return rows, summary(pairs, scores, skipped)

@@ -631,6 +631,21 @@ def make_text_model(
     return root
 
 
+def make_word_level_model(root: Path, max_length: int = 64) -> Path:
+    """A BERT of another vocabulary than ``make_text_model``'s: ``--text-model scratch``'s
+    (``models.text.scratch_text_encoder``: a word-level vocabulary of ``WORDS``, random
+    weights of seed 1), saved with ``save_pretrained``."""
+    import torch
+
+    from models.text import scratch_text_encoder
+
+    torch.manual_seed(1)
+    encoder, tokenizer = scratch_text_encoder([" ".join(WORDS)], max_length, torch.float32)
+    encoder.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
 def make_sentence_transformer(root: Path, pooling: str = "cls", activation: str = "tanh") -> Path:
     """The tiny BERT (dropout 0) under ``pooling``, a Dense of 16 -> 8 (``activation``:
     tanh or identity) and Normalize, 16 tokens at most and a "query: " prompt, saved by

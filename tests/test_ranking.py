@@ -22,7 +22,7 @@ from contrastive_accelerate.testing import assert_loss_invariant
 from losses import GISTEmbedLoss, MatryoshkaLoss, MultipleNegativesRankingLoss
 
 import references
-from launch import WORDS, make_text_model
+from launch import WORDS, make_text_model, make_word_level_model
 
 st_losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
 SCALE = 20.0
@@ -308,6 +308,43 @@ def test_the_trainers_path_equals_sentence_transformers_gist_on_a_tower(tiny_ber
         assert value <= 1e-12 and worst <= 1e-12
     else:
         assert worst > 1e-4
+
+
+@pytest.mark.parametrize("max_length", [64, 4], ids=["retokenized", "truncated-control"])
+def test_a_guide_of_another_vocabulary_is_sentence_transformers_retokenized_guide(
+    tiny_bert, tmp_path, max_length
+):
+    """A guide that reads other tokens than the trained tower (a word-level vocabulary,
+    another BERT): ``Guide.embed`` decodes each column and tokenizes it again, as
+    sentence-transformers' ``GISTEmbedLoss`` does when its guide's vocabulary differs.
+    The loss and every encoder gradient equal the peer's (float64, 1e-12); the control,
+    the guide's texts cut at 4 tokens, gives another loss."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    from contrastive_accelerate.methods.text_pairs import Guide
+    from models.text import TextTower, load_text_encoder
+
+    model, batch, peer_model, features = ours_and_peers(tiny_bert)
+    folder = make_word_level_model(tmp_path / "guide")
+    encoder, tokenizer = load_text_encoder(str(folder), torch.float64)
+    guide = Guide(TextTower(encoder, "mean").eval(), tokenizer, max_length)
+    trained_tokenizer = load_text_encoder(tiny_bert)[1]
+    with torch.no_grad():
+        guides = guide.embed(batch.columns, trained_tokenizer, torch.device("cpu"))
+    options = {"temperature": 0.05, "margin": 0.02}
+    ours = our_loss(model, batch, partial(_with_guides, GISTEmbedLoss(**options), guides), 1)
+    modules = [Transformer(str(folder), max_seq_length=64), Pooling(64, "mean")]
+    peer_guide = SentenceTransformer(modules=modules, device="cpu").double().eval()
+    theirs = st_losses.GISTEmbedLoss(peer_model, peer_guide, **options)(features, None)
+    theirs.backward()
+    worst, value = gradient_gap(model, peer_model), abs(ours.item() - theirs.item())
+    print(f"a guide of another vocabulary, {max_length} tokens, vs sentence-transformers: "
+          f"value {value:.1e}, gradients {worst:.1e}")  # fmt: skip
+    if max_length == 64:
+        assert value <= 1e-12 and worst <= 1e-12
+    else:
+        assert value > 1e-6
 
 
 def _with_guides(criterion, guides, *columns):

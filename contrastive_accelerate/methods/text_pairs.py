@@ -115,7 +115,7 @@ class TextPairsMethod(PairsMethod):
         self.guide = None  # --loss gist's frozen guide: no weight of the trained model
         if config.loss == "gist":
             self.guide, digests = guide_tower(config, tokenizer, DTYPES[config.dtype])
-            self.guide.to(device)
+            self.guide.tower.to(device)
             self.inputs = {**self.inputs, "gist_guide": digests}
 
     def embed(self, model: nn.Module, chunk: PairBatch, step: int) -> torch.Tensor:
@@ -143,11 +143,8 @@ class TextPairsMethod(PairsMethod):
         per_chunk = [output.unflatten(0, (count, -1)) for output in outputs]
         columns = [torch.cat([output[column] for output in per_chunk]) for column in range(count)]
         if self.guide is not None:  # the guide's embeddings of the same texts
-            device = columns[0].device
             with torch.no_grad():
-                guides = [
-                    self.guide(ids.to(device), mask.to(device)) for ids, mask in batch.columns
-                ]
+                guides = self.guide.embed(batch.columns, self.tokenizer, columns[0].device)
             return self.pair_loss(columns, sizes, guides)
         return self.pair_loss(columns, sizes, batch.identities if self.masked else None)
 
@@ -187,25 +184,43 @@ class TextPairsMethod(PairsMethod):
         return figures
 
 
-def guide_tower(config, tokenizer, dtype: torch.dtype) -> tuple[nn.Module, dict[str, str]]:
-    """``--gist-guide``, the frozen guide of ``--loss gist``: a sentence-transformers folder
-    taken as it is (its pooling, Dense and Normalize) or a transformers model under mean
-    pooling, in eval mode, without gradients; and its digests, which a resume compares.
-    It reads the trained towers' tokens: a guide with another vocabulary is refused."""
+class Guide:
+    """``--loss gist``'s frozen guide: its tower, and, where it reads other tokens than
+    the trained towers (another vocabulary, or fewer positions than ``--max-length``),
+    its own tokenizer and length: each column's texts are decoded from the trained
+    tokens and tokenized again, as sentence-transformers' ``GISTEmbedLoss`` does."""
+
+    def __init__(self, tower: nn.Module, tokenizer=None, max_length: int | None = None) -> None:
+        self.tower, self.tokenizer, self.max_length = tower, tokenizer, max_length
+
+    def embed(self, columns, trained_tokenizer, device: torch.device) -> list[torch.Tensor]:
+        """The guide's embeddings of each ``(input_ids, attention_mask)`` column."""
+        guides = []
+        for ids, mask in columns:
+            if self.tokenizer is not None and len(ids):
+                texts = trained_tokenizer.batch_decode(ids, skip_special_tokens=True)
+                tokens = self.tokenizer(
+                    texts, padding=True, truncation=True, max_length=self.max_length,
+                    return_tensors="pt",
+                )  # fmt: skip
+                ids, mask = tokens["input_ids"], tokens["attention_mask"]
+            guides.append(self.tower(ids.to(device), mask.to(device)))
+        return guides
+
+
+def guide_tower(config, tokenizer, dtype: torch.dtype) -> tuple[Guide, dict[str, str]]:
+    """``--gist-guide``: a sentence-transformers folder taken as it is (its pooling, Dense,
+    Normalize and ``max_seq_length``) or a transformers model under mean pooling, in eval
+    mode, without gradients; and its digests, which a resume compares."""
     from models.sentence_folder import load_sentence_tower
 
     path = config.gist_guide
     if reason := unreachable_reason(path, "models"):
         raise TrainerError(f"cannot load --gist-guide {path!r}: {reason}")
-    tower, guide_tokenizer, _ = load_sentence_tower(path, dtype, flag="--gist-guide")
-    if guide_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise TrainerError(
-            f"--gist-guide {path!r} reads other tokens than the trained towers (another "
-            "vocabulary): a guide that needs its own tokenization is not taken here yet"
-        )
+    tower, guide_tokenizer, folder = load_sentence_tower(path, dtype, flag="--gist-guide")
     positions = getattr(tower.encoder.config, "max_position_embeddings", None)
-    if positions is not None and positions < config.max_length:
-        raise TrainerError(
-            f"--max-length {config.max_length}: --gist-guide {path!r} takes {positions} positions"
-        )
-    return tower, text_model_digests(tower.encoder, tokenizer)
+    length = (folder.max_seq_length if folder else None) or positions or config.max_length
+    length = min(length, positions or length)
+    if guide_tokenizer.get_vocab() == tokenizer.get_vocab() and length >= config.max_length:
+        return Guide(tower), text_model_digests(tower.encoder, tokenizer)
+    return Guide(tower, guide_tokenizer, length), text_model_digests(tower.encoder, guide_tokenizer)
