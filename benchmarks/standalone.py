@@ -34,8 +34,10 @@ def main(
     run: Callable[[bool], dict],
     table_lines: Callable[[dict], list[str]],
     argv: Sequence[str] | None = None,
+    page: str | None = None,
 ) -> None:
-    """``python -m benchmarks.<name> [--quick] [--output FILE | --publish]``."""
+    """``python -m benchmarks.<name> [--quick] [--output FILE | --publish]``; ``--publish``
+    also writes the table into ``docs/PAGE`` when the benchmark has one."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     add_output_arguments(parser, name)
@@ -43,7 +45,10 @@ def main(
     path = results_path(parser, args, name)
     results = run(args.quick)
     merge(path, name, results)
-    print("\n".join(table_lines(results)))
+    lines = table_lines(results)
+    print("\n".join(lines))
+    if args.publish and page:
+        write_docs(name, lines, page)
     print(f"\nwrote {path}")
 
 
