@@ -40,7 +40,10 @@ FILTERS = ["--range-min", "1", "--relative-margin", "0.05", "--max-score", "0.95
 @pytest.fixture(scope="module")
 def mined(tmp_path_factory):
     """The folder, the pairs (40 rows and a second positive for the first anchor) and a
-    corpus of 30 more texts."""
+    corpus of 30 more texts. The test tokenizer's vocabulary order (``tokenizers``'
+    trainer breaks ties of frequency in no fixed order) changes the embeddings, and so
+    how many rows are mined, from one session to the next: the checks compare runs of
+    one session."""
     root = tmp_path_factory.mktemp("mine")
     folder = make_sentence_transformer(root, pooling="mean", activation="identity")
     rows = [json.loads(line) for line in open(make_sentence_pairs(root / "p.jsonl", 40, 0, 3))]
@@ -95,7 +98,7 @@ def test_the_negatives_are_sentence_transformers_own(mined, output_format, tmp_p
     difference = max(abs(a - b) for mine, peer in zip(ours, theirs, strict=True)
                      for a, b in zip(mine["scores"], peer["scores"], strict=True))  # fmt: skip
     print(f"{output_format}: {len(ours)} rows, as theirs ({len(theirs)}); scores {difference:.1e}")
-    assert texts(ours) == texts(theirs) and len(ours) >= 20 and difference <= SCORES
+    assert texts(ours) == texts(theirs) and len(ours) >= 5 and difference <= SCORES
     assert texts(unprompted) != texts(theirs)  # the control: the texts embedded otherwise
 
 
@@ -108,7 +111,7 @@ def test_one_and_three_processes_write_the_same_file(mined, tmp_path):
     one, three = (output.read_bytes() for output in outputs)
     print(f"1 vs 3 processes: {len(one.splitlines())} rows, equal {one == three}")
     print(result.stdout.strip().splitlines()[-1])
-    assert one == three and len(one.splitlines()) >= 10
+    assert one == three and len(one.splitlines()) >= 5
 
 
 def random_unit_rows(count: int, width: int = 8, seed: int = 0) -> torch.Tensor:
