@@ -18,11 +18,13 @@ from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
 from losses.gist import GISTEmbedLoss
+from losses.koleo import KoLeoLoss
 from losses.matryoshka import MatryoshkaLoss
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
 from losses.ntxent import NTXentLoss
 from losses.ranking import MultipleNegativesRankingLoss
 from losses.redundancy import BarlowTwinsLoss, VICRegLoss
+from losses.sinkhorn import sinkhorn_knopp
 from losses.supcon import SupConLoss
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "DINOLoss",
     "GISTEmbedLoss",
     "InfoNCELoss",
+    "KoLeoLoss",
     "MatryoshkaLoss",
     "MoCoLoss",
     "MultipleNegativesRankingLoss",
@@ -41,4 +44,5 @@ __all__ = [
     "SigLIPLoss",
     "SupConLoss",
     "VICRegLoss",
+    "sinkhorn_knopp",
 ]

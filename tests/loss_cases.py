@@ -20,6 +20,7 @@ from losses import (
     DCLWLoss,
     GISTEmbedLoss,
     InfoNCELoss,
+    KoLeoLoss,
     MultipleNegativesRankingLoss,
     NTXentLoss,
     SigLIPLoss,
@@ -100,6 +101,13 @@ class PerRankSoftmaxDCLW(DCLWLoss):
         return weights, weights
 
 
+class PerRankKoLeo(KoLeoLoss):
+    """DINOv2's and lightly's KoLeo: each sample's neighbour among its own rank's rows."""
+
+    def neighbours(self, z, every, offset):
+        return offset + super().neighbours(z, z, 0)
+
+
 class PerRankStandardisedBarlowTwins(BarlowTwinsLoss):
     """lightly's Barlow Twins standardisation: each rank's own mean and variance."""
 
@@ -113,7 +121,7 @@ class Case:
 
     make: Callable[[], torch.nn.Module]
     reference: Callable[..., torch.Tensor]
-    extra: str = ""  # "labels", "guides", "scale" or "scale_bias"
+    extra: str = ""  # "labels", "guides", "scale", "scale_bias", or "single": one input
     controls: dict[str, Callable[[], object]] = field(default_factory=dict)
 
 
@@ -178,6 +186,12 @@ CASES = {
         extra="guides",
         controls=GATHER_CONTROLS,
     ),
+    "koleo": Case(
+        lambda: KoLeoLoss(),
+        references.koleo,
+        extra="single",
+        controls={**GATHER_CONTROLS, "per_rank_neighbours": lambda: PerRankKoLeo()},
+    ),
     "barlowtwins": Case(
         lambda: BarlowTwinsLoss(lambda_param=0.1),
         lambda a, b: references.barlow_twins(a, b, 0.1),
@@ -229,6 +243,8 @@ def owner_scales(sizes: list[int]) -> torch.Tensor:
 
 def call(case: Case, loss_fn, out0, out1, labels, log_scale=None, bias=None) -> torch.Tensor:
     """``loss_fn`` on a batch, with what the case's forward takes besides the two inputs."""
+    if case.extra == "single":
+        return loss_fn(out0)
     if case.extra == "labels":
         return loss_fn(out0, out1, labels)
     if case.extra == "guides":

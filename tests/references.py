@@ -1,8 +1,8 @@
 """Every loss written as plainly as possible, from its paper: loops over anchors, float64.
 
 These are the references the distributed losses are compared with on the
-concatenated global batch; none of them is vectorised, gathered or tiled. Last, DINO's
-position-embedding interpolation as its repository writes it.
+concatenated global batch; none of them is vectorised, gathered or tiled. Last, DINOv2's
+Sinkhorn-Knopp and DINO's position-embedding interpolation as their repositories write them.
 """
 
 from __future__ import annotations
@@ -200,6 +200,34 @@ def vicreg(z_a, z_b, lambda_param: float, mu_param: float, nu_param: float, eps:
                     cov = sum(centred[i, k] * centred[i, m] for i in range(count)) / (count - 1)
                     covariance = covariance + cov**2 / dim
     return lambda_param * invariance + mu_param * variance + nu_param * covariance
+
+
+def koleo(x, eps: float = 1e-8) -> torch.Tensor:
+    """KoLeo: minus the mean log distance from each unit row to its nearest other row,
+    the nearest by Euclidean distance (the same as by cosine for unit rows); torch's
+    ``pairwise_distance`` adds ``eps`` to the difference."""
+    z = F.normalize(x, dim=1, eps=eps)
+    total = 0
+    for i in range(len(z)):
+        distances = [(z[i] - z[j]).norm() if j != i else math.inf for j in range(len(z))]
+        nearest = min(range(len(z)), key=lambda j: float(distances[j]))
+        total = total - torch.log((z[i] - z[nearest] + eps).norm() + eps)
+    return total / len(z)
+
+
+def sinkhorn_knopp_teacher(teacher_output, teacher_temperature: float, iterations: int = 3):
+    """DINOv2's ``SinkhornKnoppTeacher`` on one process (``dinov2/loss/dino_clstoken_loss.py``),
+    as its repository writes it."""
+    q = torch.exp(teacher_output / teacher_temperature).t()
+    batch, prototypes = q.shape[1], q.shape[0]
+    q /= torch.sum(q)
+    for _ in range(iterations):
+        q /= torch.sum(q, dim=1, keepdim=True)
+        q /= prototypes
+        q /= torch.sum(q, dim=0, keepdim=True)
+        q /= batch
+    q *= batch
+    return q.t()
 
 
 def dino_interpolate_pos_encoding(pos_embed, width: int, height: int, patch_size: int):

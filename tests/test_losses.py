@@ -144,6 +144,7 @@ PEERS = {
     "ntxent": ("lightly", lambda: lightly_loss.NTXentLoss(TEMPERATURE)),
     "dcl": ("lightly", lambda: lightly_loss.DCLLoss(TEMPERATURE)),
     "dclw": ("lightly", lambda: lightly_loss.DCLWLoss(TEMPERATURE, sigma=0.5)),
+    "koleo": ("lightly", lambda: lightly_loss.KoLeoLoss()),
     "barlowtwins": ("lightly", lambda: lightly_loss.BarlowTwinsLoss(lambda_param=0.1)),
     "vicreg": ("lightly", lambda: lightly_loss.VICRegLoss()),
     "infonce": ("open_clip", lambda: open_clip_loss.ClipLoss()),
@@ -247,11 +248,13 @@ def bad_input_worker(rank: int, world_size: int) -> dict:
                 "scale": (bad_scale,),
                 "scale_bias": (bad_scale, bias),
                 "guides": (),
+                "single": (),
                 "": (),
             }[case.extra]
             guided = {"guides": (out0, out1)} if case.extra == "guides" else {}
+            inputs = (out0,) if case.extra == "single" else (out0, out1)
             try:
-                criterion(out0, out1, *extra, **guided)
+                criterion(*inputs, *extra, **guided)
                 messages[name, problem] = None
             except ValueError as error:
                 messages[name, problem] = str(error)
@@ -265,6 +268,8 @@ def _applies(name: str, problem: str) -> bool:
         return extra == "labels"
     if problem.startswith("nan_logit"):
         return extra in ("scale", "scale_bias")
+    if problem.startswith("shape_mismatch"):
+        return extra != "single"  # one input: no second shape to differ
     if problem.startswith("one_sample"):
         return not name.startswith("siglip")  # one pair is a valid SigLIP batch
     return True
