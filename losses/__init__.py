@@ -18,6 +18,7 @@ from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
 from losses.gist import GISTEmbedLoss
+from losses.ibot import IBOTPatchLoss
 from losses.koleo import KoLeoLoss
 from losses.matryoshka import MatryoshkaLoss
 from losses.momentum import MoCoLoss, NegativeCosineSimilarityLoss
@@ -33,6 +34,7 @@ __all__ = [
     "DCLWLoss",
     "DINOLoss",
     "GISTEmbedLoss",
+    "IBOTPatchLoss",
     "InfoNCELoss",
     "KoLeoLoss",
     "MatryoshkaLoss",

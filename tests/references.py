@@ -230,6 +230,77 @@ def sinkhorn_knopp_teacher(teacher_output, teacher_temperature: float, iteration
     return q.t()
 
 
+class MaskingGenerator:
+    """DINOv2's ``MaskingGenerator`` (``dinov2/data/masking.py``, from BEiT), as its
+    repository writes it, on ``random``'s global generator and a torch mask."""
+
+    def __init__(self, input_size, num_masking_patches=None, min_num_patches=4,
+                 max_num_patches=None, min_aspect=0.3, max_aspect=None):  # fmt: skip
+        self.height, self.width = input_size
+        self.num_masking_patches = num_masking_patches
+        self.min_num_patches = min_num_patches
+        self.max_num_patches = num_masking_patches if max_num_patches is None else max_num_patches
+        max_aspect = max_aspect or 1 / min_aspect
+        self.log_aspect_ratio = (math.log(min_aspect), math.log(max_aspect))
+
+    def add_one_block(self, mask, max_mask_patches):  # DINOv2 names it _mask
+        import random
+
+        delta = 0
+        for _ in range(10):
+            target_area = random.uniform(self.min_num_patches, max_mask_patches)
+            aspect_ratio = math.exp(random.uniform(*self.log_aspect_ratio))
+            h = int(round(math.sqrt(target_area * aspect_ratio)))
+            w = int(round(math.sqrt(target_area / aspect_ratio)))
+            if w < self.width and h < self.height:
+                top = random.randint(0, self.height - h)
+                left = random.randint(0, self.width - w)
+                num_masked = mask[top : top + h, left : left + w].sum()
+                if 0 < h * w - num_masked <= max_mask_patches:
+                    for i in range(top, top + h):
+                        for j in range(left, left + w):
+                            if mask[i, j] == 0:
+                                mask[i, j] = 1
+                                delta += 1
+            if delta > 0:
+                break
+        return delta
+
+    def __call__(self, num_masking_patches=0):
+        mask = torch.zeros((self.height, self.width), dtype=torch.bool)
+        mask_count = 0
+        while mask_count < num_masking_patches:
+            max_mask_patches = num_masking_patches - mask_count
+            max_mask_patches = min(max_mask_patches, self.max_num_patches)
+            delta = self.add_one_block(mask, max_mask_patches)
+            if delta == 0:
+                break
+            mask_count += delta
+        return mask
+
+
+def dinov2_collate_masks(batch_size: int, grid, ratio=(0.1, 0.5), probability=0.5):
+    """The masks DINOv2's ``collate_data_and_cast`` draws for one batch, from ``random``'s
+    global generator: the first ``probability`` of the batch at ratios spread over
+    ``ratio``, the rest unmasked, then shuffled."""
+    import random
+
+    n_tokens = grid[0] * grid[1]
+    generator = MaskingGenerator(grid, max_num_patches=0.5 * n_tokens)
+    n_masked = int(batch_size * probability)
+    probs = torch.linspace(*ratio, n_masked + 1)
+    upperbound, masks = 0, []
+    for i in range(n_masked):
+        masks.append(
+            generator(int(n_tokens * random.uniform(float(probs[i]), float(probs[i + 1]))))
+        )
+        upperbound += int(n_tokens * float(probs[i + 1]))
+    for _ in range(n_masked, batch_size):
+        masks.append(generator(0))
+    random.shuffle(masks)
+    return torch.stack(masks)
+
+
 def dino_interpolate_pos_encoding(pos_embed, width: int, height: int, patch_size: int):
     """DINO's ``VisionTransformer.interpolate_pos_encoding`` (facebookresearch/dino,
     ``vision_transformer.py``) for an input of ``width x height`` pixels."""
