@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from contrastive_accelerate.collectives import all_gather_rows, rank_and_world_size
 from contrastive_accelerate.config import option, parse_args, validate
-from contrastive_accelerate.durable_files import fsync_directory, fsync_file
+from contrastive_accelerate.durable_files import error_reason, fsync_directory, fsync_file
 from contrastive_accelerate.launch import make_accelerator, one_line_errors
 from contrastive_accelerate.methods.base import DTYPES
 from contrastive_accelerate.retrieval import embed_texts
@@ -409,20 +409,26 @@ def write_table(rows: list[dict], path: str) -> None:
     """``rows`` as JSON lines or parquet, in a temporary file renamed into place."""
     partial = f"{path}.partial"
     try:
-        if path.endswith(".parquet"):
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            pq.write_table(pa.Table.from_pylist(rows), partial)
-        else:
-            with open(partial, "w") as file:
-                file.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        _write(rows, partial, parquet=path.endswith(".parquet"))
         fsync_file(partial)
         os.replace(partial, path)
         fsync_directory(os.path.dirname(path))
+    except OSError as error:
+        raise MineError(f"--output {path!r}: cannot write it ({error_reason(error)})") from None
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+def _write(rows: list[dict], path: str, parquet: bool) -> None:
+    if parquet:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        with open(path, "w") as file:
+            file.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 if __name__ == "__main__":

@@ -102,14 +102,18 @@ def test_the_negatives_are_sentence_transformers_own(mined, output_format, tmp_p
     assert texts(unprompted) != texts(theirs)  # the control: the texts embedded otherwise
 
 
-def test_one_and_three_processes_write_the_same_file(mined, tmp_path):
+@pytest.mark.parametrize("batch_size", [4, 32], ids=["batches-of-4", "an-idle-rank"])
+def test_one_and_three_processes_write_the_same_file(mined, tmp_path, batch_size):
+    """Embedding batches of 4, or of 32: then the 40 queries are 2 batches, and the third
+    rank embeds none."""
     flags = [*FILTERS, "--sampling-strategy", "random", "--seed", "5", "--output-format",
-             "n-tuple", "--batch-size", "4", "--chunk-size", "6"]  # fmt: skip
+             "n-tuple", "--batch-size", str(batch_size), "--chunk-size", "6"]  # fmt: skip
     outputs = [tmp_path / f"on{processes}.jsonl" for processes in (1, 3)]
     for processes, output in zip((1, 3), outputs, strict=True):
         result = run_mine(mined, output, processes, *flags)
     one, three = (output.read_bytes() for output in outputs)
-    print(f"1 vs 3 processes: {len(one.splitlines())} rows, equal {one == three}")
+    print(f"batches of {batch_size}, 1 vs 3 processes: {len(one.splitlines())} rows, "
+          f"equal {one == three}")  # fmt: skip
     print(result.stdout.strip().splitlines()[-1])
     assert one == three and len(one.splitlines()) >= 5
 
