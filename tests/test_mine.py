@@ -40,10 +40,7 @@ FILTERS = ["--range-min", "1", "--relative-margin", "0.05", "--max-score", "0.95
 @pytest.fixture(scope="module")
 def mined(tmp_path_factory):
     """The folder, the pairs (40 rows and a second positive for the first anchor) and a
-    corpus of 30 more texts. The test tokenizer's vocabulary order (``tokenizers``'
-    trainer breaks ties of frequency in no fixed order) changes the embeddings, and so
-    how many rows are mined, from one session to the next: the checks compare runs of
-    one session."""
+    corpus of 30 more texts."""
     root = tmp_path_factory.mktemp("mine")
     folder = make_sentence_transformer(root, pooling="mean", activation="identity")
     rows = [json.loads(line) for line in open(make_sentence_pairs(root / "p.jsonl", 40, 0, 3))]
