@@ -206,8 +206,11 @@ def mine(options: MineOptions, device: torch.device) -> tuple[list[dict], str]:
     tower, tokenizer, folder = load_sentence_tower(options.model, DTYPES[options.dtype], "--model")
     tower.to(device)
     query_prompt, corpus_prompt = prompts_of(options, folder.prompts if folder else {})
-    max_length = options.max_length or (folder.max_seq_length if folder else None)
-    max_length = max_length or tower.encoder.config.max_position_embeddings
+    positions = getattr(tower.encoder.config, "max_position_embeddings", None)
+    max_length = options.max_length or (folder.max_seq_length if folder else None) or positions
+    if max_length is None or (positions is not None and max_length > positions):
+        raise MineError(f"--max-length {max_length}: --model {options.model!r} takes "
+                        f"{positions} positions")  # fmt: skip
 
     def embed(texts: list[str]) -> torch.Tensor:
         return embed_texts(tower, tokenizer, texts, max_length, device)
@@ -250,11 +253,11 @@ def embedded_share(texts: list[str], embed, batch_size: int) -> tuple[torch.Tens
     rank, world_size = rank_and_world_size()
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    mine = batches[rank::world_size]
+    own = batches[rank::world_size]
     parts = [torch.nn.functional.normalize(embed([texts[i] for i in batch]), dim=1)
-             for batch in mine]  # fmt: skip
+             for batch in own]  # fmt: skip
     embeddings = torch.cat(parts) if parts else embed([])  # no batch here: (0, width)
-    rows = torch.tensor([i for batch in mine for i in batch], dtype=torch.int64)
+    rows = torch.tensor([i for batch in own for i in batch], dtype=torch.int64)
     ascending = rows.argsort()
     return embeddings[ascending], rows[ascending].to(embeddings.device)
 

@@ -183,6 +183,7 @@ def test_the_mined_file_trains(mined, tmp_path):
         (["--anchor-column", "query"], "--dataset: no column 'query'"),
         (["--corpus-column", "body"], "--corpus: no column 'body'"),
         (["--output-format", "labeled-pair"], "--output-format"),
+        (["--max-length", "65"], "--max-length 65: --model"),
     ],
 )
 def test_bad_input_is_one_line_on_every_rank(mined, tmp_path, flags, message):
