@@ -197,6 +197,7 @@ def texts_of(table, column: str, what: str) -> list[str]:
 
 def mine(options: MineOptions, device: torch.device) -> tuple[list[dict], str]:
     """The mined rows (the same on every rank) and a one-line summary."""
+    from contrastive_accelerate.methods.pairs import check_text_model_limits
     from models.sentence_folder import load_sentence_tower
 
     pairs = read_pairs(options)
@@ -204,13 +205,12 @@ def mine(options: MineOptions, device: torch.device) -> tuple[list[dict], str]:
     range_max = options.range_max or derived_range_max(options, max_positives)
     window_checks(options, range_max)
     tower, tokenizer, folder = load_sentence_tower(options.model, DTYPES[options.dtype], "--model")
-    tower.to(device)
-    query_prompt, corpus_prompt = prompts_of(options, folder.prompts if folder else {})
     positions = getattr(tower.encoder.config, "max_position_embeddings", None)
-    max_length = options.max_length or (folder.max_seq_length if folder else None) or positions
-    if max_length is None or (positions is not None and max_length > positions):
-        raise MineError(f"--max-length {max_length}: --model {options.model!r} takes "
-                        f"{positions} positions")  # fmt: skip
+    max_length = options.max_length or (folder.max_seq_length if folder else None)
+    max_length = max_length or min(filter(None, (positions, tokenizer.model_max_length)))
+    check_text_model_limits(tower.encoder, tokenizer, max_length, "--model", options.model)
+    tower.to(device)  # after the check's probe, which runs on the CPU
+    query_prompt, corpus_prompt = prompts_of(options, folder.prompts if folder else {})
 
     def embed(texts: list[str]) -> torch.Tensor:
         return embed_texts(tower, tokenizer, texts, max_length, device)

@@ -256,9 +256,8 @@ def check_data(config, data: PairData) -> None:
         loss = config.loss or TEXT_PAIR_LOSSES[0]
         if loss not in TEXT_PAIR_LOSSES:
             raise TrainerError(f"--loss {config.loss}: text pairs train with mnrl or gist")
-        for name in (n for n in options_of(TEXT_PAIR_LOSSES) if is_set(config, n)):
-            if name not in LOSSES[loss].options:  # another text row's, --loss left to the data
-                raise TrainerError(f"{flag(name)} does not apply to --loss {loss}")
+        for name in (name for name in other_text_rows(loss) if is_set(config, name)):
+            raise TrainerError(f"{flag(name)} does not apply to --loss {loss}")
         # Only the data tell text pairs from image-text: the options cannot refuse these.
         defaults = type(config)(
             dataset=config.dataset, columns=config.columns, loss=config.loss,
@@ -314,13 +313,17 @@ def image_text_unread(loss: str) -> tuple[str, ...]:
     return (*TEXT_PAIR_OPTIONS, *(n for n in SCALE_OPTIONS if n not in LOSSES[loss].options))
 
 
+def other_text_rows(loss: str) -> tuple[str, ...]:
+    """The options of the text-pair loss rows that ``loss``'s row does not read."""
+    return tuple(name for name in options_of(TEXT_PAIR_LOSSES) if name not in LOSSES[loss].options)
+
+
 def reads(config) -> tuple[str, ...]:
     """Without ``--loss`` the data decide between text and image-text (``check_data``
     refuses what the data's kind does not read); with it, the loss does."""
     everything = ("loss", *TEXT_OPTIONS, *SCALE_OPTIONS)
-    if config.loss in TEXT_PAIR_LOSSES:  # not the image options, nor another text row's
-        other_rows = set(options_of(TEXT_PAIR_LOSSES)) - set(LOSSES[config.loss].options)
-        unread = (*IMAGE_OPTIONS, *SCALE_OPTIONS, *other_rows)
+    if config.loss in TEXT_PAIR_LOSSES:
+        unread = (*IMAGE_OPTIONS, *SCALE_OPTIONS, *other_text_rows(config.loss))
         return tuple(name for name in everything if name not in unread)
     if config.loss in IMAGE_TEXT_LOSSES:
         unread = image_text_unread(config.loss)
@@ -361,7 +364,8 @@ def text_encoder(config, data: PairData, columns):
             raise TrainerError(f"cannot load --text-model {config.text_model!r}: {reason}")
         path = os.path.join(config.text_model, folder.transformer) if folder else config.text_model
         encoder, tokenizer = TOWER_KINDS["text"].load(path, DTYPES[config.dtype])
-        check_text_model_limits(config, encoder, tokenizer)
+        check_text_model_limits(encoder, tokenizer, config.max_length, "--text-model",
+                                config.text_model)  # fmt: skip
     digests = {"text_model": text_model_digests(encoder, tokenizer)}
     if folder is not None:
         digests["text_model"]["stack"] = folder_digest(folder)
@@ -423,24 +427,27 @@ def weights_digest(encoder: nn.Module) -> str:
     return content_digest(encoder.state_dict(), config)
 
 
-def check_text_model_limits(config, encoder: nn.Module, tokenizer) -> None:
-    """Refuse what the model cannot embed, before a step would fail on it: token ids
-    beyond its vocabulary, and texts of ``--max-length`` tokens (one probe forward:
-    the positions a model takes are its own business, e.g. RoBERTa's offset)."""
+def check_text_model_limits(
+    encoder: nn.Module, tokenizer, max_length: int, named: str, path: str
+) -> None:
+    """Refuse what the model (option ``named``, at ``path``) cannot embed, before a step
+    would fail on it: token ids beyond its vocabulary, and texts of ``max_length`` tokens
+    (one probe forward: the positions a model takes are its own business, e.g. RoBERTa's
+    offset)."""
     vocabulary = getattr(encoder.config, "vocab_size", None)
     if vocabulary is not None and len(tokenizer) > vocabulary:
         raise TrainerError(
-            f"the tokenizer of --text-model {config.text_model!r} has {len(tokenizer)} tokens, "
+            f"the tokenizer of {named} {path!r} has {len(tokenizer)} tokens, "
             f"more than the model's vocabulary of {vocabulary}"
         )
-    probe = torch.full((1, config.max_length), tokenizer.pad_token_id, dtype=torch.long)
+    probe = torch.full((1, max_length), tokenizer.pad_token_id, dtype=torch.long)
     try:
         with torch.no_grad():
             encoder(input_ids=probe, attention_mask=torch.ones_like(probe))
     except (IndexError, RuntimeError, ValueError) as error:
         limit = getattr(encoder.config, "max_position_embeddings", "fewer")
         raise TrainerError(
-            f"--max-length {config.max_length}: --text-model {config.text_model!r} takes "
+            f"--max-length {max_length}: {named} {path!r} takes "
             f"{limit} positions ({str(error).strip().splitlines()[0][:120]})"
         ) from None
 
