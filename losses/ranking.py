@@ -138,10 +138,8 @@ def _gathered_with_identities(
 def _false_negatives(
     row_ids: torch.Tensor, column_ids: torch.Tensor, own: torch.Tensor
 ) -> torch.Tensor:
-    """``(rows, k)`` columns each row leaves out: its own (``own``), and every column
-    whose identity is the row's (``row_ids``), padded with its own."""
+    """``(rows, columns)``: True where a row leaves a column out, its own (``own``) and
+    every column whose identity is the row's (``row_ids``), as ``tiled_logsumexp`` takes
+    a mask (no host read of how many each row leaves out)."""
     same = row_ids.to(column_ids.device)[:, None] == column_ids[None, :]
-    same.scatter_(1, own, True)
-    count = max(int(same.sum(dim=1).max()), 1) if len(same) else 1
-    order = same.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :count]
-    return torch.where(same.gather(1, order), order, own)
+    return same.scatter_(1, own, True)
