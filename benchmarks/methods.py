@@ -19,6 +19,7 @@ are kept in ``--saved-runs``: run again after an interruption, it trains only th
     python -m benchmarks.methods --jobs 2     # two runs side by side, one thread each
     python -m benchmarks.methods --seeds 1    # one seed
     python -m benchmarks.methods --quick      # small sizes, 20 training steps per method
+    python -m benchmarks.methods --methods swav  # one method's rows (SimCLR's step beside it)
     python -m benchmarks.methods --publish    # refresh docs/methods.md and benchmarks/results.json
 """
 
@@ -42,7 +43,7 @@ from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
 #: The methods that train an image encoder from unlabelled images (``pairs`` needs pairs).
-IMAGE_METHODS = ("simclr", "moco", "byol", "dino")
+IMAGE_METHODS = ("simclr", "moco", "byol", "dino", "swav")
 #: An epoch past any frozen ones (DINO's last layer): the steps timed are the steady state's.
 STEADY_EPOCH = 10**9
 
@@ -69,10 +70,12 @@ def _step(method, optimizer, batch, step: int) -> None:
     method.after_step(step)
 
 
-def step_times(batch_size: int, rounds: int) -> list[dict]:
+def step_times(
+    batch_size: int, rounds: int, methods: tuple[str, ...] = IMAGE_METHODS
+) -> list[dict]:
     data = load_image_dataset(None)
-    built = {name: _built(name, batch_size, data) for name in IMAGE_METHODS}
-    seconds: dict[str, list[float]] = {name: [] for name in IMAGE_METHODS}
+    built = {name: _built(name, batch_size, data) for name in methods}
+    seconds: dict[str, list[float]] = {name: [] for name in methods}
     for step in range(rounds + 1):  # the first round warms up
         for name, (method, optimizer, batch) in built.items():
             started = time.perf_counter()
@@ -137,12 +140,12 @@ def recipe(name: str, quick: bool) -> str:
     return standalone.recipe_digest(TrainConfig(method=name), quick)
 
 
-def knn_jobs(seeds: int) -> list[tuple[str, str, int]]:
+def knn_jobs(seeds: int, methods: tuple[str, ...] = IMAGE_METHODS) -> list[tuple[str, str, int]]:
     """Every (implementation, method, seed) of the table: ours for each method, lightly's
     beside DINO and BYOL."""
     return [
         (implementation, name, seed)
-        for name in IMAGE_METHODS
+        for name in methods
         for seed in range(seeds)
         for implementation in ("ours", "lightly")
         if implementation == "ours" or name in LIGHTLY_METHODS
@@ -161,13 +164,15 @@ def knn_row(job: tuple[str, str, int], quick: bool, threads: int) -> dict:
             "threads": threads}  # fmt: skip
 
 
-def knn_rows(seeds: int, quick: bool, jobs: int, saved: Path | None) -> list[dict]:
+def knn_rows(
+    seeds: int, quick: bool, jobs: int, saved: Path | None, methods: tuple[str, ...] = IMAGE_METHODS
+) -> list[dict]:
     """Every run of ``knn_jobs``, ``jobs`` at a time on an equal share of the cores each;
     those in ``saved`` of today's recipes are reused (``standalone.resumable_runs``)."""
-    recipes = {name: recipe(name, quick) for name in IMAGE_METHODS}
+    recipes = {name: recipe(name, quick) for name in methods}
     threads = max(1, (os.cpu_count() or 1) // jobs)
     return standalone.resumable_runs(
-        knn_jobs(seeds),
+        knn_jobs(seeds, methods),
         partial(knn_row, quick=quick, threads=threads),
         job_of=lambda row: (row["implementation"], row["method"], row["seed"]),
         recipe_of=lambda job: recipes[job[1]],
@@ -176,14 +181,36 @@ def knn_rows(seeds: int, quick: bool, jobs: int, saved: Path | None) -> list[dic
     )
 
 
-def run(quick: bool, seeds: int = 3, jobs: int = 1, saved: Path | None = None) -> dict:
+def run(
+    quick: bool,
+    seeds: int = 3,
+    jobs: int = 1,
+    saved: Path | None = None,
+    methods: tuple[str, ...] = IMAGE_METHODS,
+) -> dict:
     return {
-        "steps": step_times(batch_size=16 if quick else 128, rounds=2 if quick else 7),
+        "steps": step_times(16 if quick else 128, 2 if quick else 7, ("simclr", *methods)),
         "multicrop": multicrop_rate(batch_size=16 if quick else 128, batches=2 if quick else 6),
         "knn_extra_args": ["--max-steps", "20"] if quick else [],
         "knn_jobs": jobs,
-        "knn": knn_rows(seeds, quick, jobs, saved),
+        "knn": knn_rows(seeds, quick, jobs, saved, methods),
     }
+
+
+def with_earlier_rows(results: dict, earlier: dict | None) -> dict:
+    """A run of some methods (``--methods``) completed by ``earlier``'s rows of the others,
+    SimCLR's included. Each new method's step keeps its ratio to the SimCLR step timed
+    beside it in this run, in milliseconds of the earlier run's SimCLR."""
+    if not earlier:
+        return results
+    names = {row["method"] for row in results["steps"]} - {"simclr"}
+    simclr = next(row["step_s"] for row in results["steps"] if row["method"] == "simclr")
+    before = next(row["step_s"] for row in earlier["steps"] if row["method"] == "simclr")
+    steps = [row for row in earlier["steps"] if row["method"] not in names]
+    steps += [{**row, "step_s": row["step_s"] * before / simclr}
+              for row in results["steps"] if row["method"] in names]  # fmt: skip
+    knn = [row for row in earlier["knn"] if row["method"] not in names] + results["knn"]
+    return {**earlier, "steps": steps, "knn": knn}
 
 
 def _spread(rows: list[dict], key: str) -> str:
@@ -276,10 +303,19 @@ def main() -> None:
         default="benchmarks/results/methods_runs.jsonl",
         help="finished kNN runs, appended as they end; those of today's recipes are reused",
     )
+    parser.add_argument(
+        "--methods", help="comma-separated: only these methods' rows, the others' kept"
+    )
     standalone.add_output_arguments(parser, "methods")
     args = parser.parse_args()
     path = standalone.results_path(parser, args, "methods")
-    results = run(args.quick, args.seeds, args.jobs, None if args.quick else Path(args.saved_runs))
+    methods = tuple(args.methods.split(",")) if args.methods else IMAGE_METHODS
+    if not set(methods) <= set(IMAGE_METHODS):
+        parser.error(f"--methods: choose among {', '.join(IMAGE_METHODS)}")
+    saved = None if args.quick else Path(args.saved_runs)
+    results = run(args.quick, args.seeds, args.jobs, saved, methods)
+    if args.methods:
+        results = with_earlier_rows(results, standalone.stored(path).get("methods"))
     standalone.merge(path, "methods", results)
     lines = table_lines(results)
     print("\n".join(lines))

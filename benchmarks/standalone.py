@@ -77,13 +77,18 @@ def results_path(parser: argparse.ArgumentParser, args: argparse.Namespace, name
     return path
 
 
-def merge(path: Path, name: str, results: dict) -> None:
-    """``results`` as the entry ``name`` of the results file, the other entries kept."""
+def stored(path: Path) -> dict:
+    """The results file's entries; none if it is missing or unreadable."""
     try:
         with open(path) as file:
-            everything = json.load(file)
+            return json.load(file)
     except (OSError, ValueError):  # none yet, or unreadable: start a new one
-        everything = {}
+        return {}
+
+
+def merge(path: Path, name: str, results: dict) -> None:
+    """``results`` as the entry ``name`` of the results file, the other entries kept."""
+    everything = stored(path)
     everything[name] = results
     with open(path, "w") as file:
         json.dump(everything, file, indent=2)

@@ -27,6 +27,7 @@ from losses.ranking import MultipleNegativesRankingLoss
 from losses.redundancy import BarlowTwinsLoss, VICRegLoss
 from losses.sinkhorn import sinkhorn_knopp
 from losses.supcon import SupConLoss
+from losses.swav import SwAVLoss
 
 __all__ = [
     "BarlowTwinsLoss",
@@ -45,6 +46,7 @@ __all__ = [
     "ShareSizes",
     "SigLIPLoss",
     "SupConLoss",
+    "SwAVLoss",
     "VICRegLoss",
     "sinkhorn_knopp",
 ]

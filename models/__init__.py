@@ -11,6 +11,7 @@ from models.dropout import (
 from models.image import ImageModel
 from models.momentum import PredictorModel
 from models.simclr import BACKBONES, SimCLR
+from models.swav import SwAVModel
 from models.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "SampleDropPath",
     "SampleDropout",
     "SimCLR",
+    "SwAVModel",
     "SyncBatchNorm",
     "convert_sample_dropout",
     "convert_sync_batchnorm",

@@ -4,8 +4,9 @@
 - A cell that trains trains the same model on 1 process, on 2, and on 3 with
   ``--fsdp``: float64, 20 rows in global batches of 6 (each epoch ends with a batch of
   2: 1 + 1 on 2 processes, 1 + 1 + 0 on 3, an idle rank), 5 steps, every tensor of
-  ``final/`` within ``EXACT``. (DINO on the timm ViT, with its 6 local crops, reaches
-  1e-10: its sharp teacher amplifies the summation order most.)
+  ``final/`` within ``EXACT``. (DINO and SwAV on the timm ViT, with its 6 local crops,
+  reach 1e-10: DINO's sharp teacher and SwAV's Sinkhorn-Knopp at epsilon 0.05 amplify
+  the summation order most.)
 - A cell that is refused stops in one line with the cell's own reason
   (``composition.refusal``), before any step.
 - ``docs/composition.md`` is the page the table generates.
@@ -61,6 +62,17 @@ FAMILY_FLAGS = {
     "--method moco": [*IMAGES, "--method", "moco", "--queue-size", "10"],
     "--method byol": [*IMAGES, "--method", "byol"],
     "--method dino": [*IMAGES, "--method", "dino", "--dino-out-dim", "64"],
+    "--method swav": [
+        *IMAGES,
+        "--method",
+        "swav",
+        "--prototypes",
+        "8",
+        "--queue-size",
+        "10",
+        "--freeze-prototypes-steps",
+        "1",
+    ],
     "--method pairs (text pairs)": ["--columns", "anchor,positive,negative_1", *TEXT],
     "--method pairs (image-text)": ["--image-size", "8", *TEXT],
 }

@@ -134,6 +134,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         # No teacher, no DINO head, no crops.
         expected = {"teacher_momentum", "teacher_temperature", "dino_out_dim"}
         expected |= {"local_crops", "local_crop_size", "freeze_last_layer"}
+        expected |= {"prototypes", "freeze_prototypes_steps"}  # no SwAV
         # What the loss does not read stays unset: a value there would be refused.
         expected |= {"temperature"} if loss in ("infonce", "siglip", "vicreg") else set()
         expected |= set() if loss in ("infonce", "siglip") else {"logit_scale_init"}
@@ -144,7 +145,7 @@ def test_derived_defaults_are_resolved_in_one_place():
     assert TrainConfig(loss="vicreg", optimizer="sgd").resolved().lr == 0.03
 
 
-def test_moco_byol_and_dino_take_their_digits_recipes_when_their_flags_are_left_unset():
+def test_moco_byol_dino_and_swav_take_their_digits_recipes_when_their_flags_are_left_unset():
     """The methods' defaults rows: on the digits each method's measured recipe, elsewhere
     the papers' values; a flag given wins over either."""
     recipe = ("temperature", "teacher_momentum", "lr", "epochs")
@@ -169,6 +170,12 @@ def test_moco_byol_and_dino_take_their_digits_recipes_when_their_flags_are_left_
         assert TrainConfig(method="dino", dataset="c", model=model).resolved().local_crops == crops
     given = TrainConfig(method="dino", local_crops=2, teacher_temperature=0.04).resolved()
     assert (given.local_crops, given.teacher_temperature) == (2, 0.04)
+
+    recipe = ("temperature", "prototypes", "freeze_prototypes_steps", "local_crops", "epochs")
+    swav = TrainConfig(method="swav").resolved()
+    assert tuple(getattr(swav, name) for name in recipe) == (0.1, 30, 20, 0, 45)
+    swav = TrainConfig(method="swav", dataset="cifar10").resolved()
+    assert tuple(getattr(swav, name) for name in recipe) == (0.1, 3000, 313, 6, 45)
 
 
 @pytest.mark.parametrize("field", FIELDS, ids=[field.name for field in FIELDS])

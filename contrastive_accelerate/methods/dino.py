@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from contrastive_accelerate.config import ConfigError, field_names, option
-from contrastive_accelerate.data import MultiCrop, MultiCropBatch
-from contrastive_accelerate.data.images import per_source
+from contrastive_accelerate.data import MultiCropBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
@@ -22,19 +21,26 @@ from contrastive_accelerate.methods.base import (
     Family,
     MethodRow,
     Say,
-    augmentation_options,
     image_data,
     image_model,
     load_teacher,
     teacher_state,
 )
 from contrastive_accelerate.methods.momentum import TEACHER_OPTIONS, TeacherMethod, TeacherOptions
+from contrastive_accelerate.methods.multicrop import (
+    MULTICROP_OPTIONS,
+    MultiCropOptions,
+    check_crops,
+    crop_defaults,
+    crop_outputs,
+    embed_crops,
+    embed_multicrop,
+    multicrop_dataset,
+)
 from losses import DINOLoss
 from losses.dino import CENTER_FORMULAS, batch_center
-from models import sample_keys, sample_randomness
 from models.dino import DINOModel
 from models.momentum import EMATeacher, cosine_momentum
-from models.towers import IMAGE_TOWERS, image_tower_kind
 
 
 @dataclass
@@ -63,15 +69,6 @@ class DINOOptions:
         0, "dino: steps the head's last layer stays frozen (a stream has no epochs)",
         resume="apply", at_least=0,
     )  # fmt: skip
-    global_crops: int = option(2, "dino: global crops per sample", at_least=1)
-    local_crops: int | None = option(
-        None,
-        "dino: local crops per sample; none: 6, or 0 for the mlp and the digits",
-        at_least=0,
-    )
-    local_crop_size: int | None = option(
-        None, "dino: local crop size; none: half of --image-size", at_least=1
-    )
     dino_center: str = option(
         "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
     )
@@ -111,10 +108,7 @@ class DINOMethod(TeacherMethod):
         self.center_formula = config.dino_center
         self.freeze_last_layer = config.freeze_last_layer
         self.freeze_last_layer_steps = config.freeze_last_layer_steps
-        self.dataset = per_source(data, lambda rows, image_column: MultiCrop(
-            rows, image_column, config.image_size, config.seed, config.global_crops,
-            config.local_crops, config.local_crop_size, **augmentation_options(config),
-        ))  # fmt: skip
+        self.dataset = multicrop_dataset(config, data)
         _, hidden, bottleneck = SIMCLR_HEAD
         self.model = image_model(
             config, world_size, say, DINOModel, projection_hidden_dim=hidden,
@@ -128,15 +122,7 @@ class DINOMethod(TeacherMethod):
         self._teacher_crops: tuple[list[torch.Tensor], Sequence[int] | None] | None = None
 
     def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:
-        """Every crop of one chunk, crop by crop: one forward per resolution."""
-        first_local = len(chunk.global_crops)
-        return torch.cat(
-            [
-                embed_crops(model, crops, chunk.indices, self.seed, step, first_view)
-                for crops, first_view in ((chunk.global_crops, 0), (chunk.local_crops, first_local))
-                if len(crops)
-            ]
-        )
+        return embed_multicrop(model, chunk, self.seed, step)
 
     def loss(
         self,
@@ -145,9 +131,7 @@ class DINOMethod(TeacherMethod):
         sizes: Sequence[int] | None,
         step: int,
     ) -> torch.Tensor:
-        crops = len(batch.global_crops) + len(batch.local_crops)
-        per_crop = [output.unflatten(0, (crops, len(output) // crops)) for output in outputs]
-        student = [torch.cat([output[crop] for output in per_crop]) for crop in range(crops)]
+        student = crop_outputs(outputs, batch)
         with torch.no_grad():
             # Views 64 + crop: the teacher's dropout masks are not the student's.
             targets = embed_crops(
@@ -194,24 +178,6 @@ class DINOMethod(TeacherMethod):
         self.center.copy_(rest["center"])
 
 
-def embed_crops(
-    model: nn.Module,
-    crops: torch.Tensor,
-    indices: torch.Tensor,
-    seed: int,
-    step: int,
-    first_view: int,
-) -> torch.Tensor:
-    """``(crops, n, C, H, W)`` of one resolution in one forward, crop-major rows;
-    dropout keyed by (seed, step, each sample's index, ``first_view`` + crop)."""
-    parameter = next(model.parameters())
-    images = crops.to(parameter.device, parameter.dtype, non_blocking=True).flatten(0, 1)
-    views = range(first_view, first_view + len(crops))
-    keys = torch.cat([sample_keys(seed, step, indices, view) for view in views])
-    with sample_randomness(keys.to(parameter.device, non_blocking=True)):
-        return model(images)
-
-
 def defaults(config) -> dict[str, Any]:
     """DINO's temperatures and momentum, our 1024 outputs, six local crops of half the
     size (none for the mlp, which takes one input size); on the digits their own recipe
@@ -225,21 +191,11 @@ def defaults(config) -> dict[str, Any]:
         "teacher_momentum": 0.99 if digits else 0.996,
         "teacher_temperature": 0.01 if digits else 0.04,
         "dino_out_dim": 256 if digits else 1024,
-        "local_crops": 0 if not any_input_size(config) or digits else 6,
-        "local_crop_size": max(1, config.image_size // 2),
+        **crop_defaults(config),
         # A stream or a mixture has no epochs: its one pass would freeze the whole run.
         "freeze_last_layer": 0 if config.streaming or config.mixed else 1,
         **({"epochs": 90} if digits else {}),
     }
-
-
-def any_input_size(config) -> bool:
-    """Whether the tower takes local crops at another size than the global ones: a row of
-    ``IMAGE_TOWERS`` that says so, or a pretrained tower (``--image-model``,
-    ``--timm-model``: a ViT interpolates its position embeddings, a convolutional network
-    takes any size; one that cannot embed ``--local-crop-size`` is refused where it
-    loads, by its probe)."""
-    return image_tower_kind(config) != "scratch" or IMAGE_TOWERS[config.model].any_input_size
 
 
 def check(config) -> None:
@@ -248,24 +204,7 @@ def check(config) -> None:
             "--freeze-last-layer counts epochs, which a stream or a mixture has not: "
             "--freeze-last-layer-steps counts steps"
         )
-    tower = IMAGE_TOWERS[config.model] if image_tower_kind(config) == "scratch" else None
-    if config.local_crops and tower is not None and not tower.any_input_size:
-        raise ConfigError(
-            f"--local-crops: {config.model} takes one input size; use a resnet or a vit"
-        )
-    if config.local_crop_size and config.image_size and config.local_crop_size > config.image_size:
-        raise ConfigError(
-            f"--local-crop-size {config.local_crop_size} is larger than the global crops "
-            f"(--image-size {config.image_size})"
-        )
-    patches = tower is not None and tower.patch_size is not None and config.local_crops != 0
-    if patches and config.local_crop_size and config.image_size:
-        patch = tower.patch_size(config.image_size)
-        if config.local_crop_size % patch:
-            raise ConfigError(
-                f"--local-crop-size {config.local_crop_size}: {config.model} at --image-size "
-                f"{config.image_size} has patches of {patch} px, which must divide it"
-            )
+    check_crops(config)
 
 
 #: What only DINO reads.
@@ -274,8 +213,8 @@ DINO_OPTIONS = field_names(DINOOptions)
 DINO = MethodRow(
     DINOMethod,
     image_data,
-    options=(*TEACHER_OPTIONS, *DINO_OPTIONS, "temperature"),
-    sections=(TeacherOptions, DINOOptions),
+    options=(*TEACHER_OPTIONS, *MULTICROP_OPTIONS, *DINO_OPTIONS, "temperature"),
+    sections=(TeacherOptions, MultiCropOptions, DINOOptions),
     defaults=defaults,
     check=check,
     families=(Family("--method dino", EVERY_SOURCE, IMAGE_METHOD_TOWERS),),

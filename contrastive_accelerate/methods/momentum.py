@@ -55,10 +55,10 @@ class TeacherOptions:
 
 @dataclass
 class QueueOptions:
-    """The queue of past keys (MoCo; SimCLR with NT-Xent), a section of ``TrainConfig``."""
+    """The queue of past keys (MoCo, SwAV; SimCLR with NT-Xent), a section of ``TrainConfig``."""
 
     queue_size: int = option(
-        0, "moco, simclr with ntxent: a queue of past keys as negatives; 0: none", at_least=0
+        0, "moco, swav, simclr with ntxent: a queue of past keys; 0: none", at_least=0
     )
     queue_keys: str = option(
         "global", "per-rank: lightly's default, each rank queues its own keys",
