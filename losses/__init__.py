@@ -17,6 +17,7 @@ from contrastive_accelerate.collectives import ShareSizes
 from losses.clip import InfoNCELoss, SigLIPLoss
 from losses.dcl import DCLLoss, DCLWLoss
 from losses.dino import DINOLoss
+from losses.distillation import DistillationLoss
 from losses.gist import GISTEmbedLoss
 from losses.ibot import IBOTPatchLoss
 from losses.koleo import KoLeoLoss
@@ -34,6 +35,7 @@ __all__ = [
     "DCLLoss",
     "DCLWLoss",
     "DINOLoss",
+    "DistillationLoss",
     "GISTEmbedLoss",
     "IBOTPatchLoss",
     "InfoNCELoss",

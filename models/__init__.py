@@ -1,6 +1,7 @@
 """Models for contrastive pre-training."""
 
 from models.dino import DINOModel
+from models.distill import DistillStudent
 from models.dropout import (
     SampleDropout,
     SampleDropPath,
@@ -17,6 +18,7 @@ from models.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 __all__ = [
     "BACKBONES",
     "DINOModel",
+    "DistillStudent",
     "ImageModel",
     "PredictorModel",
     "SampleDropPath",

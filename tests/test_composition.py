@@ -73,6 +73,7 @@ FAMILY_FLAGS = {
         "--freeze-prototypes-steps",
         "1",
     ],
+    "--method distill": [*IMAGES, "--method", "distill"],  # its teacher: ``command``
     "--method pairs (text pairs)": ["--columns", "anchor,positive,negative_1", *TEXT],
     "--method pairs (image-text)": ["--image-size", "8", *TEXT],
 }
@@ -138,7 +139,8 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
         columns = ["--columns", "png,txt" if cell.source == "stream" else "image,caption"]
     if image_text and cell.source == "mixture":  # each source its own columns
         columns += ["--columns", "png,txt"]
-    return (*FAMILY_FLAGS[family], *source, *tower, *columns)
+    teacher = ["--distill-teacher", data["timm resnet"]] if family == "--method distill" else []
+    return (*FAMILY_FLAGS[family], *teacher, *source, *tower, *columns)
 
 
 def test_the_matrix_page_is_the_generated_one():
@@ -200,12 +202,16 @@ TABLE_CELLS = {
 }  # fmt: skip
 
 
+#: What a method cannot run without.
+REQUIRED = {"pairs": {"columns": "a,b"}, "distill": {"distill_teacher": "teacher"}}
+
+
 def test_every_method_declares_its_options_and_families():
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     for method, row in METHODS.items():
         assert set(row.options) <= fields, method
         assert row.families, f"{method} declares no family"
-        resolved = TrainConfig(method=method, columns="a,b" if method == "pairs" else None)
+        resolved = TrainConfig(method=method, **REQUIRED.get(method, {}))
         assert resolved.resolved().method == method
 
 

@@ -44,17 +44,20 @@ VALUES["zero_shot_template"] = "a photo of a {}"  # the class name's place, mark
 VALUES["mixture_weights"] = "2,1"  # one per source of MIXED
 VALUES["matryoshka_dims"], VALUES["matryoshka_weights"] = "8,4", "1,0.5"
 VALUES["prompts"] = "a=query: "  # a column of PAIRS' --columns
+VALUES["distill_teacher"] = "teacher"  # as NEEDS gives it
 # Options valid only beside another option's value.
 STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
 MIXED = ["--dataset", "one", "--dataset", "two", "--max-steps", "5", "--columns", "a,b"]
 PAIRS = ["--columns", "a,b"]  # what --method pairs needs besides its row
+#: What each method needs besides its row.
+NEEDS = {"pairs": PAIRS, "distill": ["--distill-teacher", "teacher"]}
 
 
 def _part_flags() -> list[list[str]]:
     """A command line for every row of every table: each method (with each loss its
     families take), each tower from scratch, each kind of tower its option names, each
     kind of source, and LoRA's adapters: an option applies under one of them."""
-    methods = {name: ["--method", name, *(PAIRS if name == "pairs" else [])] for name in METHODS}
+    methods = {name: ["--method", name, *NEEDS.get(name, [])] for name in METHODS}
     lines = [*methods.values()]
     lines += [[*methods[name], "--loss", loss] for name, row in METHODS.items()
               for family in row.families for loss in family.losses]  # fmt: skip
@@ -125,6 +128,7 @@ def test_derived_defaults_are_resolved_in_one_place():
         "eval_dataset",
         "timm_model",
         "timm_weights",
+        "distill_teacher",
         "streams",  # from the shards (find_shards)
         "mixture_weights",  # from the sources' sizes (mixture_weights)
     }

@@ -1,5 +1,5 @@
 """Multi-crop (Caron et al., 2020): global crops and smaller local crops of each image,
-which DINO and SwAV share: the options, the dataset, the forward crop by crop, and
+which DINO, SwAV and distillation share: the options, the dataset, the forward crop by crop, and
 their refusals."""
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ class MultiCropOptions:
     """The crops of the multi-crop methods, a section of ``TrainConfig``
     (``contrastive_accelerate.options``)."""
 
-    global_crops: int = option(2, "dino, swav: global crops per sample", at_least=1)
+    global_crops: int = option(2, "dino, swav, distill: global crops per sample", at_least=1)
     local_crops: int | None = option(
-        None, "dino, swav: local crops per sample; none: 6, or 0 for the mlp and the digits",
+        None, "dino, swav, distill: local crops per sample; none: the method's",
         at_least=0,
     )  # fmt: skip
     local_crop_size: int | None = option(
-        None, "dino, swav: local crop size; none: half of --image-size", at_least=1
+        None, "dino, swav, distill: local crop size; none: half of --image-size", at_least=1
     )
 
 
