@@ -8,6 +8,7 @@ names, so that no run changes the published figures; ``--publish`` refreshes the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -108,14 +109,16 @@ def write_docs(name: str, lines: list[str], page: str) -> None:
 
 
 def readme_run(
-    arguments: list[str], threads: int | None = None
+    arguments: list[str], threads: int | None = None, kept: Path | None = None
 ) -> tuple[subprocess.CompletedProcess, float, list[dict]]:
     """The README's first command with ``arguments`` (offline, into a temporary
-    ``--output-dir``; under ``OMP_NUM_THREADS=threads`` when given): the finished
-    process, its wall seconds and the records of its ``metrics.jsonl`` (none if it failed)."""
+    ``--output-dir``, or ``kept``, which stays; under ``OMP_NUM_THREADS=threads`` when
+    given): the finished process, its wall seconds and the records of its
+    ``metrics.jsonl`` (none if it failed)."""
     env = {"TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env |= {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    with tempfile.TemporaryDirectory() as output:
+    directory = contextlib.nullcontext(str(kept)) if kept else tempfile.TemporaryDirectory()
+    with directory as output:
         command = [
             sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(REPO / "accelerate_configs" / "single_process.yaml"),
