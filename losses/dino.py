@@ -15,6 +15,9 @@ from losses.precision import autocast_off, compute_dtype
 
 #: ``batch_center``'s formulas: ours, and the control that reproduces DINO's.
 CENTER_FORMULAS = ("global", "dino")
+#: How DINO's teacher is centred: an EMA center by one of ``CENTER_FORMULAS``, or
+#: DINOv2's Sinkhorn-Knopp over the global batch (``losses.sinkhorn_knopp``).
+CENTERINGS = (*CENTER_FORMULAS, "sinkhorn")
 
 
 class DINOLoss(nn.Module):
@@ -29,7 +32,9 @@ class DINOLoss(nn.Module):
         loss = 1/(P N) * sum_{a != v} sum_i -softmax((t_ai - c) / T_t) . log_softmax(s_vi / T_s)
 
     On one process this is lightly's ``DINOLoss`` given the same center. The center is
-    the caller's state: ``batch_center`` gives the global batch's mean for its EMA. Each
+    the caller's state: ``batch_center`` gives the global batch's mean for its EMA.
+    ``center=None`` takes ``teacher_crops`` as the targets themselves, distributions
+    over the outputs (DINOv2's Sinkhorn-Knopp codes, ``losses.sinkhorn_knopp``). Each
     rank's sum is scaled by ``W / N``, exact on any number of processes.
 
     Example::
@@ -53,7 +58,7 @@ class DINOLoss(nn.Module):
         student_crops: Sequence[torch.Tensor],
         teacher_crops: Sequence[torch.Tensor],
         teacher_temperature: float,
-        center: torch.Tensor,
+        center: torch.Tensor | None,
         *,
         sizes: list[int] | None = None,
     ) -> torch.Tensor:
@@ -72,7 +77,9 @@ class DINOLoss(nn.Module):
         with autocast_off(first_student.device):
             dtype = compute_dtype(*student_crops, *teacher_crops)
             targets = [
-                F.softmax((t.to(dtype) - center.to(dtype)) / teacher_temperature, dim=-1)
+                t.to(dtype)
+                if center is None
+                else F.softmax((t.to(dtype) - center.to(dtype)) / teacher_temperature, dim=-1)
                 for t in teacher_crops
             ]
             total = first_student.new_zeros((), dtype=dtype)

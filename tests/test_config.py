@@ -385,6 +385,11 @@ def test_usage_errors_are_one_line(capfd):
         ({"drop_path": 0.1}, "--drop-path applies to vit_tiny, vit_small, not --model resnet18"),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
         (
+            {"method": "dino", "dino_center": "sinkhorn", "center_momentum": 0.8},
+            "--center-momentum does not apply to --dino-center sinkhorn",
+        ),
+        ({"method": "distill"}, "--method distill needs --distill-teacher"),
+        (
             {"columns": "a,b", "zero_shot_template": "a photo of {1}"},
             r"--zero-shot-template 'a photo of \{1\}': mark the class name's place with one",
         ),

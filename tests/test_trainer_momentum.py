@@ -190,6 +190,22 @@ def test_dino_center_on_uneven_shares(odd_runs):
     assert control_state > 1e3 * EXACT
 
 
+def test_dinov2s_sinkhorn_centering_on_uneven_shares(odd_runs):
+    """``--dino-center sinkhorn``: the teacher's targets are DINOv2's Sinkhorn-Knopp codes
+    of the global batch (every rank's rows counted), the same on 1 and 2 processes; the
+    control, each rank's own codes (``--no-gather``), trains another model."""
+    sinkhorn = [*DINO_MLP, "--dino-center", "sinkhorn"]
+    student, state = differences(odd_runs(1, *sinkhorn), odd_runs(2, *sinkhorn))
+    control, _ = differences(odd_runs(1, *sinkhorn), odd_runs(2, *sinkhorn, "--no-gather"))
+    centered, _ = differences(odd_runs(1, *sinkhorn), odd_runs(1, *DINO_MLP))
+    print(
+        f"dino, Sinkhorn-Knopp centering, shares 2 + 1: student {student:.1e}, state "
+        f"{state:.1e}; per-rank codes: {control:.1e}; vs the EMA center: {centered:.1e}"
+    )
+    assert student <= EXACT and state <= EXACT
+    assert control > 1e3 * EXACT and centered > 1e3 * EXACT
+
+
 def test_dino_mid_epoch_resume_with_the_center_in_flight_is_exact(odd_runs, odd_images, tmp_path):
     """Step 3 of 4-step epochs: the center has moved, the last layer is still frozen."""
     straight = odd_runs(1, *DINO_MLP)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from contrastive_accelerate.config import ConfigError, field_names, option
+from contrastive_accelerate.config import ConfigError, field_names, is_set, option
 from contrastive_accelerate.data import MultiCropBatch
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
@@ -38,7 +38,8 @@ from contrastive_accelerate.methods.multicrop import (
     multicrop_dataset,
 )
 from losses import DINOLoss
-from losses.dino import CENTER_FORMULAS, batch_center
+from losses.dino import CENTERINGS, batch_center
+from losses.sinkhorn import sinkhorn_knopp
 from models.dino import DINOModel
 from models.momentum import EMATeacher, cosine_momentum
 
@@ -70,8 +71,9 @@ class DINOOptions:
         resume="apply", at_least=0,
     )  # fmt: skip
     dino_center: str = option(
-        "global", "dino: DINO's all_reduce(sum) / (local rows x W)", choices=CENTER_FORMULAS
-    )
+        "global", "dino: the global mean, DINO's sum / (rows x W), DINOv2's sinkhorn",
+        choices=CENTERINGS,
+    )  # fmt: skip
 
 
 #: DINO's ``warmup_teacher_temp``.
@@ -105,7 +107,7 @@ class DINOMethod(TeacherMethod):
         self.eval_teacher = config.eval_teacher
         self.teacher_temperature = config.teacher_temperature
         self.warmup_steps = config.teacher_temperature_warmup_steps
-        self.center_formula = config.dino_center
+        self.center_formula, self.gather = config.dino_center, config.gather
         self.freeze_last_layer = config.freeze_last_layer
         self.freeze_last_layer_steps = config.freeze_last_layer_steps
         self.dataset = multicrop_dataset(config, data)
@@ -137,8 +139,16 @@ class DINOMethod(TeacherMethod):
             targets = embed_crops(
                 self.teacher, batch.global_crops, batch.indices, self.seed, step, 64
             )
-        teacher = list(targets.unflatten(0, (len(batch.global_crops), -1)))
+        crops = len(batch.global_crops)
+        teacher = list(targets.unflatten(0, (crops, -1)))
         self._teacher_crops = (teacher, sizes)
+        if self.center_formula == "sinkhorn":  # DINOv2's: every global crop's rows in one
+            codes = sinkhorn_knopp(
+                targets, self.temperature_at(step), sizes=None if sizes is None else
+                [crops * size for size in sizes], gather_distributed=self.gather,
+            )  # fmt: skip
+            teacher = list(codes.unflatten(0, (crops, -1)))
+            return self.criterion(student, teacher, self.temperature_at(step), None, sizes=sizes)
         return self.criterion(student, teacher, self.temperature_at(step), self.center, sizes=sizes)
 
     def temperature_at(self, step: int) -> float:
@@ -161,8 +171,11 @@ class DINOMethod(TeacherMethod):
         momentum = cosine_momentum(step + 1, self.total_steps, self.base_momentum)
         self.teacher.update(self.model, momentum)
         teacher, sizes = self._teacher_crops
-        center = batch_center(teacher, sizes, formula=self.center_formula).to(self.center.dtype)
-        self.center.mul_(self.center_momentum).add_(center, alpha=1 - self.center_momentum)
+        if self.center_formula != "sinkhorn":  # the Sinkhorn-Knopp needs no center: it stays
+            center = batch_center(teacher, sizes, formula=self.center_formula)
+            self.center.mul_(self.center_momentum).add_(
+                center.to(self.center.dtype), alpha=1 - self.center_momentum
+            )
         self._teacher_crops = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -203,6 +216,10 @@ def check(config) -> None:
         raise ConfigError(
             "--freeze-last-layer counts epochs, which a stream or a mixture has not: "
             "--freeze-last-layer-steps counts steps"
+        )
+    if config.dino_center == "sinkhorn" and is_set(config, "center_momentum"):
+        raise ConfigError(
+            "--center-momentum does not apply to --dino-center sinkhorn, which keeps no center"
         )
     check_crops(config)
 
