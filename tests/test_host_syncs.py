@@ -28,6 +28,7 @@ from contrastive_accelerate.optim import make_optimizer
 from contrastive_accelerate.ranks import StepChecks
 from contrastive_accelerate.testing import HostSyncs, run_on_ranks
 from losses import NTXentLoss, SigLIPLoss
+from models import SimCLR
 from trainer import TrainConfig
 
 from launch import one_line_errors, train_pooled
@@ -51,22 +52,30 @@ CASES.append(("dino", "resnet18", 1))  # multi-crop: one forward per resolution
 FSDP_CASES = [("ntxent", "mlp", 3), ("siglip", "mlp", 1), ("byol", "resnet18", 3)]
 
 
-def _config(name: str, model: str, chunks: int) -> TrainConfig:
+def _config(name: str, model: str, chunks: int, teacher: str | None) -> TrainConfig:
     shared = {"model": model, "accumulation_chunks": chunks, "batch_size": BATCH}
     if name in SIMCLR_LOSSES:
         return TrainConfig(loss=name, **shared).resolved()
-    queue = {"queue_size": 10} if name == "moco" else {}  # pushed and wrapped every step
-    return TrainConfig(method=name, **queue, **shared).resolved()
+    # Queues pushed and wrapped every step (SwAV's full after the first, so used in the
+    # second, the step counted).
+    own = {"moco": {"queue_size": 10}, "swav": {"queue_size": 5},
+           "distill": {"distill_teacher": teacher}}.get(name, {})  # fmt: skip
+    return TrainConfig(method=name, **own, **shared).resolved()
 
 
 def step_syncs_worker(
-    rank: int, world_size: int, cases: list, control: bool, fsdp: bool = False
+    rank: int,
+    world_size: int,
+    cases: list,
+    control: bool,
+    fsdp: bool = False,
+    teacher: str | None = None,
 ) -> dict:
     torch.manual_seed(0)
     data = load_image_dataset()
     seen = {}
     for name, model_name, chunks in cases:
-        config = _config(name, model_name, chunks)
+        config = _config(name, model_name, chunks, teacher)
         method = METHODS[config.method].build(config, data, world_size, print, total_steps=10)
         if fsdp:
             method.shard("no")
@@ -105,8 +114,10 @@ def step_syncs_worker(
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1proc", "2proc"])
-def step_syncs(request):
-    return run_on_ranks(step_syncs_worker, request.param, CASES, False)
+def step_syncs(request, tmp_path_factory):
+    teacher = tmp_path_factory.mktemp("teacher")  # distillation's: a final/ of ours
+    SimCLR(backbone="mlp", image_size=8).save_pretrained(teacher)
+    return run_on_ranks(step_syncs_worker, request.param, CASES, False, False, str(teacher))
 
 
 @pytest.mark.parametrize("case", [f"{name}-{model}-K{k}" for name, model, k in CASES])
