@@ -96,7 +96,7 @@ def table_lines(results: dict) -> list[str]:
     trained = results["teacher"]
     lines = [
         "| student | kNN top-1 (mean [min, max]) | gain over its random init (min) "
-        "| below the teacher's kNN (max) | linear probe | run (s, median) |",
+        "| vs the teacher's kNN (least) | linear probe | run (s, median) |",
         "|---|---|---|---|---|---|",
     ]
     for model in results["models"]:
@@ -104,10 +104,10 @@ def table_lines(results: dict) -> list[str]:
                 and "knn_top1" in row]  # fmt: skip
         knn = [row["knn_top1"] for row in rows]
         gains = [row["knn_top1"] - row["knn_top1_init"] for row in rows if "knn_top1_init" in row]
-        below = [trained["knn_top1"] - value for value in knn]
+        above = [value - trained["knn_top1"] for value in knn]
         lines.append(
             f"| `{model}` | {_spread(knn)} | {100 * min(gains):+.1f} "
-            f"| {100 * max(below):.1f} points | "
+            f"| {100 * min(above):+.1f} points | "
             f"{_spread([row['linear_probe_top1'] for row in rows])} "
             f"| {statistics.median(row['seconds'] for row in rows):.0f} |"
             if rows
