@@ -12,7 +12,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.untrusted import read_json
 from models.towers import IMAGE_TOWERS
 
@@ -23,12 +22,12 @@ class FrozenTowerError(ValueError):
 
 @dataclass
 class FrozenTower:
-    """A loaded teacher: the tower (eval mode, no gradient), its feature width and the
-    digest of what it loaded (a resume compares it)."""
+    """A loaded teacher: the tower (eval mode, no gradient), its feature width and its
+    ``config.json`` (with its weights, what a resume digests and compares)."""
 
     tower: nn.Module
     width: int
-    digest: str
+    config: dict
 
 
 def load_frozen_tower(path: str, dtype: torch.dtype, named: str) -> FrozenTower:
@@ -67,7 +66,7 @@ def load_frozen_tower(path: str, dtype: torch.dtype, named: str) -> FrozenTower:
             message = message.replace(option, named)
         raise FrozenTowerError(message) from None
     tower = tower.to(dtype).eval().requires_grad_(False)
-    return FrozenTower(tower, width, content_digest(tower.state_dict(), config))
+    return FrozenTower(tower, width, config)
 
 
 def _our_tower(path: str, config: dict, named: str) -> tuple[nn.Module, int]:

@@ -580,6 +580,20 @@ def make_digit_parquet(path: Path, count: int, *, start: int = 0) -> Path:
     return path
 
 
+def make_teacher(root: Path, seed: int = 0, double: bool = False):
+    """A distillation teacher as our image methods save one: an 8-px mlp's SimCLR model
+    (``save_pretrained``: ``config.json`` and ``model.safetensors``, float64 if
+    ``double``) in ``root``; the model."""
+    import torch
+
+    from models import SimCLR
+
+    torch.manual_seed(seed)
+    model = SimCLR(backbone="mlp", image_size=8).to(torch.float64 if double else torch.float32)
+    model.save_pretrained(root)
+    return model
+
+
 def make_timm_model(
     root: Path, architecture: str = "vit_tiny_patch16_224", *, dropout: float = 0.1, **model_args
 ) -> Path:

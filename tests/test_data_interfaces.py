@@ -24,7 +24,12 @@ from contrastive_accelerate.data.streams import ShardStreams, find_shards, strea
 from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
-from launch import make_digit_tar_shards, make_sentence_pairs, make_text_pair_shards
+from launch import (
+    make_digit_tar_shards,
+    make_sentence_pairs,
+    make_teacher,
+    make_text_pair_shards,
+)
 
 pytest.importorskip("transformers")
 IMAGES = {"model": "mlp", "image_size": 8, "knn_k": 0}
@@ -42,7 +47,8 @@ def data(tmp_path_factory, image_folder, sentence_pairs, captioned_images, tiny_
         "bert": tiny_bert, "more pairs": str(make_sentence_pairs(root / "more.jsonl", 11)),
         "text shards": str(make_text_pair_shards(root / "text", [7, 5])),
         "image shards": str(make_digit_tar_shards(root / "tar", [7, 5])),
-    }  # fmt: skip
+        "teacher": str(root / "teacher"),
+    } if make_teacher(root / "teacher") else {}  # fmt: skip
 
 
 def options(method: str, family: str, source: str, data: dict[str, str]) -> dict:
@@ -68,7 +74,8 @@ def options(method: str, family: str, source: str, data: dict[str, str]) -> dict
     dataset = {"table": {"dataset": data["images"]},
                "stream": {"dataset": data["image shards"], **streamed},
                "mixture": {"dataset": (data["images"],) * 2, "max_steps": 2}}  # fmt: skip
-    return {"method": method, **dataset[source], **IMAGES}
+    teacher = {"distill_teacher": data["teacher"]} if method == "distill" else {}
+    return {"method": method, **dataset[source], **IMAGES, **teacher}
 
 
 def test_every_family_has_a_configuration(data):

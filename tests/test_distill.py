@@ -21,10 +21,9 @@ import torch.nn.functional as F
 
 from contrastive_accelerate.testing import assert_loss_invariant
 from losses import DistillationLoss
-from models import SimCLR
 from models.frozen_tower import FrozenTowerError, load_frozen_tower
 
-from launch import make_timm_model
+from launch import make_teacher, make_timm_model
 
 
 def features(rows: int = 9, dim: int = 6) -> list[torch.Tensor]:
@@ -80,19 +79,12 @@ def test_the_loss_computes_in_float32_under_bf16_autocast():
     assert autocast.item() == pytest.approx(reference.item(), abs=1e-6)
 
 
-def saved_model(root, seed: int = 0) -> SimCLR:
-    torch.manual_seed(seed)
-    model = SimCLR(backbone="mlp", image_size=8).double()
-    model.save_pretrained(root)
-    return model
-
-
 def test_a_final_folder_of_ours_is_the_encoder_it_saved(tmp_path):
-    saved = saved_model(tmp_path / "final")
+    saved = make_teacher(tmp_path / "final", double=True)
     teacher = load_frozen_tower(str(tmp_path / "final"), torch.float64, "--distill-teacher")
     images = torch.randn(4, 3, 8, 8, dtype=torch.float64)
     error = (teacher.tower(images) - saved.embed(images)).abs().max().item()
-    other = saved_model(tmp_path / "other", seed=1).embed(images)
+    other = make_teacher(tmp_path / "other", seed=1, double=True).embed(images)
     control = (teacher.tower(images) - other).abs().max().item()
     print(f"teacher from final/ vs the saved encoder: {error:.1e}; another seed's: {control:.1e}")
     assert error == 0.0 and control > 1e-3
@@ -108,7 +100,7 @@ def test_a_transformers_and_a_timm_folder_load(tiny_vit, tmp_path):
 
 
 def test_a_bad_teacher_folder_is_one_line(tmp_path):
-    saved_model(tmp_path / "good")
+    make_teacher(tmp_path / "good")
     cases = {"missing": "no readable config.json"}
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "config.json").write_text(json.dumps({"backbone": "resnet9"}))

@@ -28,10 +28,9 @@ from contrastive_accelerate.optim import make_optimizer
 from contrastive_accelerate.ranks import StepChecks
 from contrastive_accelerate.testing import HostSyncs, run_on_ranks
 from losses import NTXentLoss, SigLIPLoss
-from models import SimCLR
 from trainer import TrainConfig
 
-from launch import one_line_errors, train_pooled
+from launch import make_teacher, one_line_errors, train_pooled
 
 BATCH = 7  # odd: the two ranks hold 4 and 3 samples
 #: (name, model, K): every --loss of simclr on the mlp, then ResNet-18 with SyncBatchNorm for
@@ -116,7 +115,7 @@ def step_syncs_worker(
 @pytest.fixture(scope="module", params=[1, 2], ids=["1proc", "2proc"])
 def step_syncs(request, tmp_path_factory):
     teacher = tmp_path_factory.mktemp("teacher")  # distillation's: a final/ of ours
-    SimCLR(backbone="mlp", image_size=8).save_pretrained(teacher)
+    make_teacher(teacher)
     return run_on_ranks(step_syncs_worker, request.param, CASES, False, False, str(teacher))
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from contrastive_accelerate.config import ConfigError, field_names, option
 from contrastive_accelerate.data import MultiCropBatch
 from contrastive_accelerate.data.sources import ImageData
+from contrastive_accelerate.durable_files import content_digest
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
     DTYPES,
@@ -85,7 +86,8 @@ class DistillMethod(Method):
             config, world_size, say, DistillStudent, teacher_dim=teacher.width,
             other_size=config.local_crop_size if config.local_crops else None,
         )  # fmt: skip
-        self.inputs = {**self.model.inputs, "distill_teacher": {"weights": teacher.digest}}
+        digest = content_digest(self.teacher.state_dict(), teacher.config)
+        self.inputs = {**self.model.inputs, "distill_teacher": {"weights": digest}}
         self.criterion = DistillationLoss(config.distill_loss, gather_distributed=config.gather)
 
     def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:
