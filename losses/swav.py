@@ -72,7 +72,7 @@ class SwAVLoss(nn.Module):
         if queue_outputs is not None and len(queue_outputs) != len(high_resolution_outputs):
             raise ValueError(f"{name}: one queue per high-resolution crop")
         first = high_resolution_outputs[0]
-        rank, world_size, sizes, _ = check_batch(
+        _, world_size, sizes, _ = check_batch(
             name, first, first, gather_distributed=self.gather_distributed, sizes=sizes
         )
         require_global_batch(name, sizes, 1, "")

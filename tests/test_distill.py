@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from contrastive_accelerate.launch import TrainerError
+from contrastive_accelerate.methods.distill import probe_teacher
 from contrastive_accelerate.testing import assert_loss_invariant
 from losses import DistillationLoss
 from models.frozen_tower import FrozenTowerError, load_frozen_tower
@@ -119,3 +121,13 @@ def test_a_bad_teacher_folder_is_one_line(tmp_path):
         with pytest.raises(FrozenTowerError, match=problem) as raised:
             load_frozen_tower(str(tmp_path / name), torch.float32, "--distill-teacher")
         assert "\n" not in str(raised.value) and "--distill-teacher" in str(raised.value)
+
+
+def test_crops_the_teacher_cannot_embed_are_one_line_before_any_step(tmp_path):
+    """A timm ViT of 8 px with patches of 4 takes no 6-px crop: refused where it loads."""
+    folder = str(make_timm_model(tmp_path / "vit"))
+    teacher = load_frozen_tower(folder, torch.float32, "--distill-teacher")
+    probe_teacher(teacher.tower, 8, "--image-size", folder)  # its own size
+    with pytest.raises(TrainerError, match="--image-size 6: --distill-teacher") as raised:
+        probe_teacher(teacher.tower, 6, "--image-size", folder)
+    assert "\n" not in str(raised.value)

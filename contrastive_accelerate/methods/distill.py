@@ -81,6 +81,10 @@ class DistillMethod(Method):
         except FrozenTowerError as error:
             raise TrainerError(str(error)) from None
         self.teacher = teacher.tower.to(device)
+        sizes = [(config.image_size, "--image-size")]
+        sizes += [(config.local_crop_size, "--local-crop-size")] if config.local_crops else []
+        for size, named in sizes:
+            probe_teacher(self.teacher, size, named, config.distill_teacher)
         self.dataset = multicrop_dataset(config, data)
         self.model = image_model(
             config, world_size, say, DistillStudent, teacher_dim=teacher.width,
@@ -106,6 +110,21 @@ class DistillMethod(Method):
         teacher = targets.unflatten(0, (len(student), -1))
         losses = [self.criterion(s, t, sizes=sizes) for s, t in zip(student, teacher, strict=True)]
         return sum(losses) / len(losses)
+
+
+def probe_teacher(teacher: nn.Module, size: int, named: str, path: str) -> None:
+    """Two black crops of ``size`` through the teacher: one it cannot embed is one line
+    here, not an error inside the first step."""
+    parameter = next(teacher.parameters())
+    images = torch.zeros(2, 3, size, size, dtype=parameter.dtype, device=parameter.device)
+    try:
+        with torch.no_grad():
+            teacher(images)
+    except (AssertionError, IndexError, RuntimeError, ValueError) as error:  # timm asserts
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        raise TrainerError(
+            f"{named} {size}: --distill-teacher {path!r} cannot embed it ({first_line})"
+        ) from None
 
 
 def check(config) -> None:
