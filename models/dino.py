@@ -61,6 +61,8 @@ class DINOModel(ImageModel):
     """An image tower under DINO's head: ``projection_hidden_dim`` wide, into
     ``projection_dim``, then ``dino_out_dim`` logits; BatchNorm in its MLP for the
     ResNets, as in every head of theirs. A ViT tower takes local crops at other sizes.
+    With ``class_features`` the tower's features come first, beside the logits
+    (``forward``).
 
     Example::
 
@@ -79,11 +81,13 @@ class DINOModel(ImageModel):
         dropout: float = 0.0,
         drop_path: float = 0.0,
         encoder: nn.Module | None = None,
+        class_features: bool = False,
     ) -> None:
         super().__init__()
         tower, width = self.add_tower(
             backbone, image_size, in_channels, dropout, drop_path, encoder=encoder
         )
+        self.class_features, self.feature_dim = class_features, width
         # SimCLR's head is drawn and dropped, as earlier versions did before replacing it:
         # a seed gives the weights it gave them.
         tower_projection_head(tower, width, projection_hidden_dim, projection_dim, 2)
@@ -91,3 +95,10 @@ class DINOModel(ImageModel):
             width, dino_out_dim, projection_hidden_dim, projection_dim,
             batch_norm=tower.batch_norm,
         )  # fmt: skip
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """The head's logits; with ``class_features``, the tower's features before them,
+        side by side (DINOv2's KoLeo reads the student's class tokens)."""
+        features = self.encoder(images)
+        logits = self.projection_head(features)
+        return torch.cat([features, logits], dim=1) if self.class_features else logits

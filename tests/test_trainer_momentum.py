@@ -206,6 +206,20 @@ def test_dinov2s_sinkhorn_centering_on_uneven_shares(odd_runs):
     assert control > 1e3 * EXACT and centered > 1e3 * EXACT
 
 
+def test_dinov2s_koleo_on_the_global_batch_trains_alike_on_uneven_shares(odd_runs):
+    """``--koleo-weight``: DINOv2's KoLeo on the student's global-crop features, each
+    sample's neighbour searched in the global batch, the same on 1 and 2 processes (with
+    the Sinkhorn-Knopp centering beside it, DINOv2's); without it (the control) another
+    model."""
+    dinov2 = [*DINO_MLP, "--dino-center", "sinkhorn"]
+    koleo = [*dinov2, "--koleo-weight", "0.1"]
+    student, state = differences(odd_runs(1, *koleo), odd_runs(2, *koleo))
+    without, _ = differences(odd_runs(1, *koleo), odd_runs(1, *dinov2))
+    print(f"dino with KoLeo 0.1, shares 2 + 1, 1 vs 2: student {student:.1e}, state "
+          f"{state:.1e}; without KoLeo: {without:.1e}")  # fmt: skip
+    assert student <= EXACT and state <= EXACT and without > 1e3 * EXACT
+
+
 def test_dino_mid_epoch_resume_with_the_center_in_flight_is_exact(odd_runs, odd_images, tmp_path):
     """Step 3 of 4-step epochs: the center has moved, the last layer is still frozen."""
     straight = odd_runs(1, *DINO_MLP)

@@ -37,7 +37,7 @@ from contrastive_accelerate.methods.multicrop import (
     embed_multicrop,
     multicrop_dataset,
 )
-from losses import DINOLoss
+from losses import DINOLoss, KoLeoLoss
 from losses.dino import CENTERINGS, batch_center
 from losses.sinkhorn import sinkhorn_knopp
 from models.dino import DINOModel
@@ -69,6 +69,10 @@ class DINOOptions:
     freeze_last_layer_steps: int = option(
         0, "dino: steps the head's last layer stays frozen (a stream has no epochs)",
         resume="apply", at_least=0,
+    )  # fmt: skip
+    koleo_weight: float = option(
+        0.0, "dino: KoLeo on the student's global-crop features (DINOv2: 0.1); 0: off",
+        resume="apply", at_least=0.0,
     )  # fmt: skip
     dino_center: str = option(
         "global", "dino: the global mean, DINO's sum / (rows x W), DINOv2's sinkhorn",
@@ -112,11 +116,16 @@ class DINOMethod(TeacherMethod):
         self.freeze_last_layer_steps = config.freeze_last_layer_steps
         self.dataset = multicrop_dataset(config, data)
         _, hidden, bottleneck = SIMCLR_HEAD
+        self.koleo_weight = config.koleo_weight
         self.model = image_model(
             config, world_size, say, DINOModel, projection_hidden_dim=hidden,
             projection_dim=bottleneck, dino_out_dim=config.dino_out_dim,
             other_size=config.local_crop_size if config.local_crops else None,
+            class_features=config.koleo_weight > 0,
         )  # fmt: skip
+        # What precedes the logits in the model's outputs: its class features, or nothing.
+        self.features = self.model.feature_dim if config.koleo_weight else 0
+        self.koleo = KoLeoLoss(gather_distributed=config.gather)
         self.inputs = self.model.inputs
         self.teacher = EMATeacher(self.model).to(device)
         self.center = torch.zeros(1, config.dino_out_dim, dtype=self.teacher.dtype, device=device)
@@ -133,13 +142,34 @@ class DINOMethod(TeacherMethod):
         sizes: Sequence[int] | None,
         step: int,
     ) -> torch.Tensor:
-        student = crop_outputs(outputs, batch)
+        crops = len(batch.global_crops)
+        features, student = zip(
+            *(crop.split([self.features, crop.shape[1] - self.features], dim=1)
+              for crop in crop_outputs(outputs, batch)), strict=True,
+        )  # fmt: skip
         with torch.no_grad():
             # Views 64 + crop: the teacher's dropout masks are not the student's.
             targets = embed_crops(
                 self.teacher, batch.global_crops, batch.indices, self.seed, step, 64
-            )
-        crops = len(batch.global_crops)
+            )[:, self.features :]
+        loss = self.distillation(list(student), targets, crops, sizes, step)
+        # DINOv2's KoLeo, summed over the global crops; a global batch of one sample has no
+        # neighbour, and that step goes without it.
+        if self.koleo_weight and (sizes is None or sum(sizes) > 1):
+            koleo = sum(self.koleo(crop, sizes=sizes) for crop in features[:crops])
+            loss = loss + self.koleo_weight * koleo
+        return loss
+
+    def distillation(
+        self,
+        student: list[torch.Tensor],
+        targets: torch.Tensor,
+        crops: int,
+        sizes: Sequence[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        """DINO's loss of the student's crops against the teacher's ``crops`` global ones,
+        centred by the EMA center or by DINOv2's Sinkhorn-Knopp."""
         teacher = list(targets.unflatten(0, (crops, -1)))
         self._teacher_crops = (teacher, sizes)
         if self.center_formula == "sinkhorn":  # DINOv2's: every global crop's rows in one
