@@ -352,6 +352,35 @@ def push_batch_keys(
     queue.push(torch.cat(keys.chunk(views, dim=1)))
 
 
+class PastKeys:
+    """A method's queue of past keys, ``--queue-size`` long (none at 0), and this step's
+    keys waiting for it: ``hold`` them in ``loss``, ``push`` them in ``after_step``,
+    gathered into the global batch (``--queue-keys per-rank``: each rank its own, the
+    control). The queue is the method's state (``state_dict``). MoCo, SwAV and SimCLR's
+    NT-Xent memory bank keep one."""
+
+    def __init__(self, config, dim: int, dtype: torch.dtype, device=None) -> None:
+        self.queue = KeyQueue(config.queue_size, dim, dtype, device) if config.queue_size else None
+        self.global_keys = config.queue_keys == "global"
+        self._held: tuple[torch.Tensor, Sequence[int] | None] | None = None
+
+    def hold(self, keys: torch.Tensor, sizes: Sequence[int] | None) -> None:
+        """This rank's keys of this step (each row the keys of its views side by side)."""
+        if self.queue is not None:
+            self._held = (keys, sizes)
+
+    def push(self) -> None:
+        if self._held is not None:
+            push_batch_keys(self.queue, *self._held, global_keys=self.global_keys)
+            self._held = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.queue.state_dict() if self.queue is not None else {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        load_queue(self.queue, state)
+
+
 def load_queue(queue: KeyQueue | None, state: dict[str, torch.Tensor]) -> None:
     """Load a checkpoint's queue, refusing one this run has no room for, and the reverse."""
     if set(state) - {"queue"}:

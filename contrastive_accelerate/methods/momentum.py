@@ -21,21 +21,20 @@ from contrastive_accelerate.methods.base import (
     Family,
     Method,
     MethodRow,
+    PastKeys,
     Say,
     embed_two_views,
     head_shape,
     image_data,
     image_model,
-    load_queue,
     load_teacher,
-    push_batch_keys,
     shard_model,
     teacher_state,
     two_views_dataset,
     view_halves,
 )
 from losses import MoCoLoss, NegativeCosineSimilarityLoss
-from models.momentum import EMATeacher, KeyQueue, PredictorModel, cosine_momentum
+from models.momentum import EMATeacher, PredictorModel, cosine_momentum
 
 
 @dataclass
@@ -133,13 +132,7 @@ class MomentumMethod(TeacherMethod):
             )
         else:
             self.criterion = NegativeCosineSimilarityLoss(gather_distributed=config.gather)
-        self.queue = (
-            KeyQueue(config.queue_size, SIMCLR_HEAD[2], self.teacher.dtype, device)
-            if config.queue_size
-            else None
-        )
-        self.global_queue = config.queue_keys == "global"
-        self._new_keys: tuple[torch.Tensor, Sequence[int] | None] | None = None
+        self.past_keys = PastKeys(config, SIMCLR_HEAD[2], self.teacher.dtype, device)
 
     def embed(self, model: nn.Module, chunk: TwoViewBatch, step: int) -> torch.Tensor:
         """The student's predictions of one chunk's two views (``embed_two_views``)."""
@@ -160,10 +153,10 @@ class MomentumMethod(TeacherMethod):
             return 0.5 * (self.criterion(p0, t1, sizes=sizes) + self.criterion(p1, t0, sizes=sizes))
         k0, k1 = F.normalize(t0, dim=1), F.normalize(t1, dim=1)
         queue = None
-        if self.queue is not None:
-            queue = self.queue.keys()
+        if self.past_keys.queue is not None:
+            queue = self.past_keys.queue.keys()
             # Both views' keys in one gather after the step (``after_step``).
-            self._new_keys = (torch.cat([k0, k1], dim=1), sizes)
+            self.past_keys.hold(torch.cat([k0, k1], dim=1), sizes)
         loss = self.criterion(p0, k1, queue, sizes=sizes) + self.criterion(
             p1, k0, queue, sizes=sizes
         )
@@ -174,16 +167,13 @@ class MomentumMethod(TeacherMethod):
         self.teacher.update(
             self.model, cosine_momentum(step + 1, self.total_steps, self.base_momentum)
         )
-        if self._new_keys is not None:
-            push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
-            self._new_keys = None
+        self.past_keys.push()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        queue = self.queue.state_dict() if self.queue is not None else {}
-        return teacher_state(self.teacher) | queue
+        return teacher_state(self.teacher) | self.past_keys.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_queue(self.queue, load_teacher(self.teacher, state, self.name))
+        self.past_keys.load_state_dict(load_teacher(self.teacher, state, self.name))
 
 
 def momentum_defaults(paper_momentum: float, **paper: Any) -> Callable[[Any], dict[str, Any]]:

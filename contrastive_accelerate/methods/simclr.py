@@ -25,13 +25,12 @@ from contrastive_accelerate.methods.base import (
     Family,
     Method,
     MethodRow,
+    PastKeys,
     Say,
     embed_two_views,
     head_shape,
     image_data,
     image_model,
-    load_queue,
-    push_batch_keys,
     two_views_dataset,
     view_halves,
 )
@@ -39,7 +38,6 @@ from contrastive_accelerate.methods.loss_table import LOSSES, LossRow, options_o
 from contrastive_accelerate.methods.momentum import QUEUE_OPTIONS, QueueOptions
 from losses import MoCoLoss
 from models import SimCLR
-from models.momentum import KeyQueue
 
 #: SimCLR's family: two views on any source, from scratch, and the losses it takes (the
 #: first its default).
@@ -94,12 +92,9 @@ class SimCLRMethod(Method):
         )
         self.inputs = self.model.inputs
         self.row, self.criterion = row, row.make(config)
-        self.queue = None
-        if config.queue_size:
-            self.queue = KeyQueue(config.queue_size, row.head[2], DTYPES[config.dtype], device)
+        self.past_keys = PastKeys(config, row.head[2], DTYPES[config.dtype], device)
+        if self.past_keys.queue is not None:
             self.criterion = MoCoLoss(config.temperature, batch_negatives=False, **tiled(config))
-        self.global_queue = config.queue_keys == "global"
-        self._new_keys: tuple[torch.Tensor, Sequence[int] | None] | None = None
         self.labels = label_ids(data.train, data.label_column) if row.labels else None
 
     def embed(self, model: nn.Module, chunk: TwoViewBatch, step: int) -> torch.Tensor:
@@ -114,23 +109,21 @@ class SimCLRMethod(Method):
         step: int,
     ) -> torch.Tensor:
         z0, z1 = view_halves(outputs)
-        if self.queue is not None:
-            self._new_keys = (F.normalize(z1.detach(), dim=1), sizes)
-            return self.criterion(z0, z1, self.queue.keys(), sizes=sizes)
+        if self.past_keys.queue is not None:
+            self.past_keys.hold(F.normalize(z1.detach(), dim=1), sizes)
+            return self.criterion(z0, z1, self.past_keys.queue.keys(), sizes=sizes)
         labels = None if self.labels is None else self.labels[batch.indices].to(z0.device)
         return self.row.call(self.criterion, self.model, [z0, z1], labels, sizes)
 
     def after_step(self, step: int) -> None:
         """This step's second views into the queue, if there is one."""
-        if self._new_keys is not None:
-            push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
-            self._new_keys = None
+        self.past_keys.push()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.queue.state_dict() if self.queue is not None else {}
+        return self.past_keys.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_queue(self.queue, state)
+        self.past_keys.load_state_dict(state)
 
 
 def defaults(config) -> dict[str, Any]:

@@ -23,12 +23,11 @@ from contrastive_accelerate.methods.base import (
     Family,
     Method,
     MethodRow,
+    PastKeys,
     Say,
     head_shape,
     image_data,
     image_model,
-    load_queue,
-    push_batch_keys,
 )
 from contrastive_accelerate.methods.momentum import QUEUE_OPTIONS, QueueOptions
 from contrastive_accelerate.methods.multicrop import (
@@ -41,7 +40,6 @@ from contrastive_accelerate.methods.multicrop import (
     multicrop_dataset,
 )
 from losses.swav import SwAVLoss
-from models.momentum import KeyQueue
 from models.swav import SwAVModel
 
 
@@ -100,13 +98,7 @@ class SwAVMethod(Method):
             sinkhorn_gather_distributed=config.gather,
         )  # fmt: skip
         dtype = next(self.model.parameters()).dtype
-        self.queue = (
-            KeyQueue(config.queue_size, self.dim * config.global_crops, dtype, device)
-            if config.queue_size
-            else None
-        )
-        self.global_queue = config.queue_keys == "global"
-        self._new_keys: tuple[torch.Tensor, Sequence[int] | None] | None = None
+        self.past_keys = PastKeys(config, self.dim * config.global_crops, dtype, device)
 
     def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:
         return embed_multicrop(model, chunk, self.seed, step)
@@ -122,9 +114,9 @@ class SwAVMethod(Method):
                  for crop in crop_outputs(outputs, batch)]  # fmt: skip
         scores = [score for _, score in crops]
         queued, queue_sizes = self.queue_scores()
-        if self.queue is not None:
-            keys = torch.cat([z.detach() for z, _ in crops[: self.global_crops]], dim=1)
-            self._new_keys = (keys, sizes)
+        self.past_keys.hold(
+            torch.cat([z.detach() for z, _ in crops[: self.global_crops]], dim=1), sizes
+        )
         return self.criterion(
             scores[: self.global_crops], scores[self.global_crops :], queued,
             sizes=sizes, queue_sizes=queue_sizes,
@@ -134,10 +126,11 @@ class SwAVMethod(Method):
         """This rank's share of the full queue's scores against this step's prototypes,
         one tensor per global crop, and every rank's number of queue rows; None before
         the queue is full (SwAV's ``use_the_queue``)."""
-        if self.queue is None or self.queue.filled < self.queue.size:
+        queue = self.past_keys.queue
+        if queue is None or queue.filled < queue.size:
             return None, None
-        keys = self.queue.keys()
-        if self.global_queue and is_distributed():
+        keys = queue.keys()
+        if self.past_keys.global_keys and is_distributed():
             shares = keys.tensor_split(dist.get_world_size())
             keys, sizes = shares[dist.get_rank()], [len(share) for share in shares]
         else:  # one process, or each rank its own keys (the control)
@@ -158,15 +151,13 @@ class SwAVMethod(Method):
     def after_step(self, step: int) -> None:
         """The prototypes back to unit rows, and this step's global crops into the queue."""
         self.model.normalize_prototypes()
-        if self._new_keys is not None:
-            push_batch_keys(self.queue, *self._new_keys, global_keys=self.global_queue)
-            self._new_keys = None
+        self.past_keys.push()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.queue.state_dict() if self.queue is not None else {}
+        return self.past_keys.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        load_queue(self.queue, state)
+        self.past_keys.load_state_dict(state)
 
 
 def defaults(config) -> dict[str, Any]:
