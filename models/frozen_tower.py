@@ -15,6 +15,9 @@ from torch import nn
 from contrastive_accelerate.untrusted import read_json
 from models.towers import IMAGE_TOWERS
 
+#: The largest ``image_size`` a teacher's ``config.json`` may ask a tower to be built at.
+MAX_IMAGE_SIZE = 1024
+
 
 class FrozenTowerError(ValueError):
     """A teacher that cannot be loaded, in one line."""
@@ -72,10 +75,14 @@ def load_frozen_tower(path: str, dtype: torch.dtype, named: str) -> FrozenTower:
 def _our_tower(path: str, config: dict, named: str) -> tuple[nn.Module, int]:
     backbone, size = config["backbone"], config.get("image_size")
     channels = config.get("in_channels", 3)
-    if backbone not in IMAGE_TOWERS or not isinstance(size, int) or not isinstance(channels, int):
+    # Untrusted JSON: a name of the table, and sizes a tower can be built at.
+    sizes_valid = all(type(value) is int and 1 <= value <= limit
+                      for value, limit in ((size, MAX_IMAGE_SIZE), (channels, 4)))  # fmt: skip
+    if not isinstance(backbone, str) or backbone not in IMAGE_TOWERS or not sizes_valid:
         raise FrozenTowerError(
             f"{named} {path!r}: config.json's backbone {backbone!r} is not one of "
-            f"{', '.join(IMAGE_TOWERS)}, or its image_size or in_channels is no integer"
+            f"{', '.join(IMAGE_TOWERS)}, or its image_size or in_channels is not an integer "
+            f"from 1 to {MAX_IMAGE_SIZE} and 4"
         )
     encoder, width = IMAGE_TOWERS[backbone].build(size, channels, 0.0, 0.0)
     try:

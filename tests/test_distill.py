@@ -110,6 +110,11 @@ def test_a_bad_teacher_folder_is_one_line(tmp_path):
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "config.json").write_text(json.dumps({"backbone": "resnet9"}))
     cases["unknown"] = "is not one of"
+    (tmp_path / "huge").mkdir()
+    (tmp_path / "huge" / "config.json").write_text(
+        json.dumps({"backbone": ["mlp"], "image_size": 10**9})
+    )
+    cases["huge"] = "is not one of"
     (tmp_path / "neither").mkdir()
     (tmp_path / "neither" / "config.json").write_text("{}")
     cases["neither"] = "none of ours"
