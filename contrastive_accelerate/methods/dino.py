@@ -152,7 +152,7 @@ class DINOMethod(TeacherMethod):
             targets = embed_crops(
                 self.teacher, batch.global_crops, batch.indices, self.seed, step, 64
             )[:, self.features :]
-        loss = self.distillation(list(student), targets, crops, sizes, step)
+        loss = self.dino_loss(list(student), targets, crops, sizes, step)
         # DINOv2's KoLeo, summed over the global crops; a global batch of one sample has no
         # neighbour, and that step goes without it.
         if self.koleo_weight and (sizes is None or sum(sizes) > 1):
@@ -160,7 +160,7 @@ class DINOMethod(TeacherMethod):
             loss = loss + self.koleo_weight * koleo
         return loss
 
-    def distillation(
+    def dino_loss(
         self,
         student: list[torch.Tensor],
         targets: torch.Tensor,
@@ -170,16 +170,16 @@ class DINOMethod(TeacherMethod):
     ) -> torch.Tensor:
         """DINO's loss of the student's crops against the teacher's ``crops`` global ones,
         centred by the EMA center or by DINOv2's Sinkhorn-Knopp."""
-        teacher = list(targets.unflatten(0, (crops, -1)))
+        teacher, temperature = list(targets.unflatten(0, (crops, -1))), self.temperature_at(step)
         self._teacher_crops = (teacher, sizes)
         if self.center_formula == "sinkhorn":  # DINOv2's: every global crop's rows in one
             codes = sinkhorn_knopp(
-                targets, self.temperature_at(step), sizes=None if sizes is None else
+                targets, temperature, sizes=None if sizes is None else
                 [crops * size for size in sizes], gather_distributed=self.gather,
             )  # fmt: skip
             teacher = list(codes.unflatten(0, (crops, -1)))
-            return self.criterion(student, teacher, self.temperature_at(step), None, sizes=sizes)
-        return self.criterion(student, teacher, self.temperature_at(step), self.center, sizes=sizes)
+            return self.criterion(student, teacher, temperature, None, sizes=sizes)
+        return self.criterion(student, teacher, temperature, self.center, sizes=sizes)
 
     def temperature_at(self, step: int) -> float:
         """DINO's teacher temperature: linear from 0.04 over the warm-up, then constant."""

@@ -31,6 +31,7 @@ from contrastive_accelerate.methods.multicrop import (
     MULTICROP_OPTIONS,
     MultiCropOptions,
     check_crops,
+    crop_defaults,
     crop_outputs,
     embed_multicrop,
     multicrop_dataset,
@@ -134,9 +135,9 @@ def check(config) -> None:
 
 
 def defaults(config) -> dict[str, Any]:
-    """Each crop through teacher and student: no local crops unless asked for, of half
-    the size when they are."""
-    return {"local_crops": 0, "local_crop_size": max(1, config.image_size // 2)}
+    """Each crop through teacher and student: no local crops unless asked for, of
+    multi-crop's size when they are."""
+    return {**crop_defaults(config), "local_crops": 0}
 
 
 #: What only distillation reads.
