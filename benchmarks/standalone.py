@@ -149,6 +149,14 @@ def recipe_digest(config: object, *extra: object) -> str:
     return digest(dataclasses.asdict(config.resolved()), *extra)
 
 
+def saved_rows(saved: Path) -> list[dict]:
+    """The rows of a ``resumable_runs`` file that finished without an error."""
+    if not saved.exists():
+        return []
+    rows = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
+    return [row for row in rows if "error" not in row]
+
+
 def resumable_runs(
     jobs: Sequence[Hashable],
     run_one: Callable[[Hashable], dict],

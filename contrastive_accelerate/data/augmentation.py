@@ -23,27 +23,6 @@ from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
 T = TypeVar("T")
 
 
-@dataclass
-class ImageOptions:
-    """What only images read (their size, their views' draws, unreadable ones): a
-    section of ``TrainConfig`` (``contrastive_accelerate.options``)."""
-
-    image_size: int | None = option(None, "none: 8 for the digits, else 32", at_least=1)
-    augment: bool = option(True, "SimCLR's random augmentations")
-    crop_min_scale: float | None = option(
-        None, "smallest crop area fraction; none: 0.5 for the 8x8 digits, else 0.2",
-        above=0.0, at_most=1.0,
-    )  # fmt: skip
-    horizontal_flip: bool | None = option(
-        None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
-    )
-    skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
-    eval_dataset: str | None = option(
-        None, "kNN and probe on this labelled table (its evaluation split); none: --dataset's",
-        resume="free",
-    )  # fmt: skip
-
-
 def simclr_augmentation(
     image_size: int,
     crop_min_scale: float = 0.2,
@@ -66,6 +45,68 @@ def simclr_augmentation(
         kernel = int(0.1 * image_size) // 2 * 2 + 1
         transforms.append(v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5))
     return v2.Compose(transforms)
+
+
+def affine_augmentation(
+    image_size: int,
+    crop_min_scale: float = 0.2,
+    crop_max_scale: float = 1.0,
+    horizontal_flip: bool = True,
+) -> v2.Transform:
+    """Views that keep a glyph (a digit, a letter) what it is: a crop at scales
+    (``crop_min_scale``, ``crop_max_scale``), a small affine warp (turns of up to 10
+    degrees, shifts of up to an eighth of the image, zooms of 10%, bilinear), and
+    brightness and contrast jitter (0.4, with probability 0.8).
+
+    SimCLR's hue, saturation and greyscale have nothing to change on grey images, and
+    its crops alone cannot turn or shift a stroke by less than a pixel; on the 8x8
+    digits this is the measured recipe (docs/benchmarks.md, the default recipe's search).
+    """
+    transforms = [
+        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
+        *([v2.RandomHorizontalFlip()] if horizontal_flip else []),
+        v2.RandomAffine(
+            degrees=10,
+            translate=(0.125, 0.125),
+            scale=(0.9, 1.1),
+            interpolation=v2.InterpolationMode.BILINEAR,
+        ),  # fmt: skip
+        v2.RandomApply([v2.ColorJitter(brightness=0.4, contrast=0.4)], p=0.8),
+    ]
+    return v2.Compose(transforms)
+
+
+#: ``--augmentation``'s choices: each builds a view's transform from (image size, smallest
+#: and largest crop scale, flips).
+AUGMENTATIONS: dict[str, Callable[[int, float, float, bool], v2.Transform]] = {
+    "simclr": simclr_augmentation,
+    "affine": affine_augmentation,
+}
+
+
+@dataclass
+class ImageOptions:
+    """What only images read (their size, their views' draws, unreadable ones): a
+    section of ``TrainConfig`` (``contrastive_accelerate.options``)."""
+
+    image_size: int | None = option(None, "none: 8 for the digits, else 32", at_least=1)
+    augment: bool = option(True, "random views (--augmentation's); off: the image twice")
+    augmentation: str | None = option(
+        None, "the views' transforms; none: affine for simclr on the digits, else simclr",
+        choices=AUGMENTATIONS,
+    )  # fmt: skip
+    crop_min_scale: float | None = option(
+        None, "smallest crop area fraction; none: the method's on the digits (0.5), else 0.2",
+        above=0.0, at_most=1.0,
+    )  # fmt: skip
+    horizontal_flip: bool | None = option(
+        None, "horizontal flips; none: off for the digits (not mirror-symmetric), else on"
+    )
+    skip_bad_images: bool = option(False, "skip unreadable images instead of stopping")
+    eval_dataset: str | None = option(
+        None, "kNN and probe on this labelled table (its evaluation split); none: --dataset's",
+        resume="free",
+    )  # fmt: skip
 
 
 def drawn_for_sample(draw: Callable[[], T], seed: int, epoch: int, index: int) -> T:
@@ -110,12 +151,16 @@ class SampleImages:
 
 
 def view_augmentation(
-    image_size: int, augment: bool, crop_min_scale: float, horizontal_flip: bool
+    image_size: int,
+    augment: bool,
+    crop_min_scale: float,
+    horizontal_flip: bool,
+    augmentation: str = "simclr",
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """SimCLR's augmentation, or with ``augment`` off none."""
+    """The views' augmentation (a row of ``AUGMENTATIONS``), or with ``augment`` off none."""
     if not augment:
         return v2.Identity()
-    return simclr_augmentation(image_size, crop_min_scale, horizontal_flip=horizontal_flip)
+    return AUGMENTATIONS[augmentation](image_size, crop_min_scale, 1.0, horizontal_flip)
 
 
 def missing_image(row: dict, image_column: str) -> str | None:
@@ -145,10 +190,13 @@ class TwoViews(torch.utils.data.Dataset):
         per_sample_seed: bool = True,
         crop_min_scale: float = 0.2,
         horizontal_flip: bool = True,
+        augmentation: str = "simclr",
     ) -> None:
         self.dataset, self.image_column, self.image_size = dataset, image_column, image_size
         self.images = SampleImages(image_size, seed, per_sample_seed)
-        self.augment = view_augmentation(image_size, augment, crop_min_scale, horizontal_flip)
+        self.augment = view_augmentation(
+            image_size, augment, crop_min_scale, horizontal_flip, augmentation
+        )
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -209,9 +257,10 @@ LOCAL_CROP_MIN_SCALE = 0.05
 class MultiCrop(torch.utils.data.Dataset):
     """DINO's multi-crop (Caron et al., 2020 and 2021): ``global_crops`` views of
     ``image_size`` at scales (``crop_min_scale``, 1) and ``local_crops`` views of
-    ``local_crop_size`` at (0.05, ``crop_min_scale``), SimCLR's colour augmentation on
-    each. Items are ``(epoch, index)`` pairs; with ``per_sample_seed`` every crop is
-    drawn from (seed, epoch, index) in crop order, as ``TwoViews`` draws its two views.
+    ``local_crop_size`` at (0.05, ``crop_min_scale``), the rest of ``augmentation``'s
+    transforms on each (SimCLR's colour augmentation by default). Items are ``(epoch,
+    index)`` pairs; with ``per_sample_seed`` every crop is drawn from (seed, epoch, index)
+    in crop order, as ``TwoViews`` draws its two views.
     """
 
     def __init__(
@@ -226,15 +275,15 @@ class MultiCrop(torch.utils.data.Dataset):
         per_sample_seed: bool = True,
         crop_min_scale: float = 0.4,
         horizontal_flip: bool = True,
+        augmentation: str = "simclr",
     ) -> None:
         self.dataset, self.image_column = dataset, image_column
         self.image_size, self.local_crop_size = image_size, local_crop_size
         self.images = SampleImages(image_size, seed, per_sample_seed)
         self.global_crops, self.local_crops = global_crops, local_crops
-        self.global_augment = simclr_augmentation(
-            image_size, crop_min_scale, horizontal_flip=horizontal_flip
-        )
-        self.local_augment = simclr_augmentation(
+        views = AUGMENTATIONS[augmentation]
+        self.global_augment = views(image_size, crop_min_scale, 1.0, horizontal_flip)
+        self.local_augment = views(
             local_crop_size, LOCAL_CROP_MIN_SCALE, crop_min_scale, horizontal_flip
         )
 

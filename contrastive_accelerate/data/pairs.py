@@ -468,12 +468,15 @@ class ImageCaptions(torch.utils.data.Dataset):
         per_sample_seed: bool = True,
         crop_min_scale: float = 0.2,
         horizontal_flip: bool = True,
+        augmentation: str = "simclr",
     ) -> None:
         self.dataset, self.image_column, self.caption_column = dataset, image_column, caption_column
         self.text = TextColumns(dataset, (caption_column,), tokenizer, max_length)
         self.image_size, self.seed = image_size, seed
         self.images = SampleImages(image_size, seed, per_sample_seed)
-        self.augment = view_augmentation(image_size, augment, crop_min_scale, horizontal_flip)
+        self.augment = view_augmentation(
+            image_size, augment, crop_min_scale, horizontal_flip, augmentation
+        )
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -205,6 +205,7 @@ def augmentation_options(config) -> dict[str, Any]:
         "per_sample_seed": config.augmentation_seeding == "per-sample",
         "crop_min_scale": config.crop_min_scale,
         "horizontal_flip": config.horizontal_flip,
+        "augmentation": config.augmentation,
     }
 
 
