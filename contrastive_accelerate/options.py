@@ -170,6 +170,8 @@ class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
             raise ConfigError("--overwrite-output-dir and --resume-from exclude each other")
         if self.eval_dataset is not None and self.knn_k == 0:
             raise ConfigError("--eval-dataset applies with kNN evaluation: --knn-k 0 turns it off")
+        if not self.augment and self.augmentation != "simclr":
+            raise ConfigError(f"--augmentation {self.augmentation}: no views under --no-augment")
         method = self.chosen_method
         row = METHODS[method]
         composition.check(self, row)  # first: it says why a source or a tower is refused
@@ -277,11 +279,11 @@ class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
             output_dir=os.path.join("runs", self.chosen_method),
             image_size=None if self.image_model or self.clip_model else 8 if digits else 32,
             dropout=IMAGE_TOWERS[self.model].default_dropout,
+            crop_min_scale=0.5 if digits else 0.2,
             horizontal_flip=not digits,
         )
         config = _fill(config, **METHODS[config.method].defaults(config))
-        config = _fill(config, optimizer="sgd", epochs=45, augmentation="simclr",
-                       crop_min_scale=0.5 if digits else 0.2)  # fmt: skip
+        config = _fill(config, optimizer="sgd", epochs=45)
         return _fill(config, lr={"lars": 0.2, "sgd": 0.03}.get(config.optimizer, 1e-3))
 
 

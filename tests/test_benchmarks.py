@@ -109,3 +109,25 @@ def test_quick_never_publishes_and_publish_is_the_published_file(tmp_path, monke
     publish = parser.parse_args(["--publish"])
     publish.quick = False
     assert standalone.results_path(parser, publish, "run") == REPO / "benchmarks" / "results.json"
+
+
+def test_the_recipe_search_tables_and_plots_every_recipe_with_runs():
+    """Runs are stored under the recipe's resolved options: the README's command as
+    written shares the runs of the recipe it equals; a recipe is above raw pixels only
+    if every one of its seeds is."""
+    from benchmarks.recipes import RECIPES, plot, recipe_key, table_lines
+
+    def row(name: str, seed: int, knn: float) -> dict:
+        return {"key": recipe_key(RECIPES[name][1].split()), "seed": seed, "seconds": 600.0,
+                "knn_top1": knn, "linear_probe_top1": 0.98, "knn_top1_init": 0.94,
+                "raw_pixels_knn_top1": 0.989}  # fmt: skip
+
+    rows = [row("old-default", 0, 0.97), row("old-default", 1, 0.99)]
+    rows += [row("affine-75-epochs", seed, 0.992) for seed in (0, 1)]
+    lines = table_lines(rows)
+    table = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in lines
+             if line.startswith("| `")}  # fmt: skip
+    assert table == {"`old-default`": "no", "`affine-75-epochs`": "yes", "`default`": "no"}
+    svg = plot(rows)
+    assert svg.startswith("<svg") and svg.count("<circle") == 2 and "raw pixels 98.9%" in svg
+    assert "old-default = default" in svg  # one point for the runs they share

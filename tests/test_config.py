@@ -199,7 +199,8 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     kinds = {kind: (row.option, *row.reads) for kind, row in TOWER_KINDS.items()
              if row.option and row.option not in (*METHOD_OPTIONS, "model")}  # fmt: skip
     lora = field_names(LoRAOptions)  # on a pretrained tower, in a file of its own
-    apart = ("method", *vit, *METHOD_OPTIONS, *streamed, *sum(kinds.values(), ()), *lora)
+    views = ("augmentation",)  # another augmentation draws views: not beside --no-augment
+    apart = ("method", *vit, *METHOD_OPTIONS, *streamed, *sum(kinds.values(), ()), *lora, *views)
     shared = {n: v for n, v in VALUES.items() if n not in apart}
     moco_options = ("teacher_momentum", "eval_teacher", "queue_size", "queue_keys")
     moco = {"method": "moco", **{n: VALUES[n] for n in moco_options}}
@@ -219,6 +220,7 @@ def test_every_field_is_settable_from_a_config_file(tmp_path, suffix):
     files.append({**stream, **{name: VALUES[name] for name in ("streaming", *STREAMING_OPTIONS)}})
     mixed = {"dataset": ["one", "two"], "max_steps": 5, "columns": ["a,b", "a,b,c"]}
     files += [{**mixed, name: VALUES[name]} for name in MIXTURE_OPTIONS]
+    files.append({name: VALUES[name] for name in views})
     # Each pretrained kind of tower's options, in a file of its own.
     files += [{name: VALUES[name] for name in names} for names in kinds.values()]
     files.append({"image_model": "vit", "image_size": 8, **{n: VALUES[n] for n in lora}})
@@ -290,6 +292,7 @@ def test_a_json_config_nested_too_deeply_is_one_line(tmp_path):
         ({"image_size": 0}, "--image-size 0: must be >= 1"),
         ({"log_every": 0}, "--log-every 0: must be >= 1"),
         ({"crop_min_scale": 2.0}, "--crop-min-scale 2: must be > 0 and <= 1"),
+        ({"augment": False, "augmentation": "affine"}, "no views under --no-augment"),
         ({"save_every": -1}, "--save-every -1: must be >= 0"),
         ({"epochs": 0}, "--epochs 0: must be >= 1"),
         ({"max_steps": 0}, "--max-steps 0: must be >= 1"),

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from contrastive_accelerate.data import (
+    AUGMENTATIONS,
     DataError,
     GlobalBatchSampler,
     MultiCrop,
@@ -102,6 +103,33 @@ def test_horizontal_flip_can_be_left_out(digits):
     crops = MultiCrop(train, image_column, 8, seed=0, global_crops=2, local_crops=1,
                       local_crop_size=4, horizontal_flip=False)  # fmt: skip
     assert not flips(crops.global_augment) and not flips(crops.local_augment)
+
+
+@pytest.mark.parametrize("augmentation", AUGMENTATIONS)
+def test_each_augmentation_is_drawn_from_the_sample_alone_and_reaches_every_view(
+    digits, augmentation
+):
+    """``--augmentation``'s rows: two views and multi-crop's crops of sample i depend on
+    (seed, epoch, i) alone, flips are left out when asked, and the row chosen is the one
+    that draws them (the other row draws other views)."""
+    train, _, image_column, _ = digits
+    views = TwoViews(train, image_column, 8, seed=5, horizontal_flip=False,
+                     augmentation=augmentation)  # fmt: skip
+    first = views[(2, 7)][:2]
+    views[(0, 1)]
+    torch.manual_seed(123)
+    assert all(torch.equal(a, b) for a, b in zip(first, views[(2, 7)][:2], strict=True))
+    assert not torch.equal(first[0], first[1])
+    other = next(name for name in AUGMENTATIONS if name != augmentation)
+    others = TwoViews(train, image_column, 8, seed=5, horizontal_flip=False, augmentation=other)
+    assert not torch.equal(others[(2, 7)][0], first[0])
+    crops = MultiCrop(train, image_column, 8, seed=5, global_crops=2, local_crops=1,
+                      local_crop_size=4, horizontal_flip=False,
+                      augmentation=augmentation)  # fmt: skip
+    for transform in (views.augment, crops.global_augment, crops.local_augment):
+        kinds = {type(step) for step in transform.transforms}
+        assert v2.RandomHorizontalFlip not in kinds
+        assert (v2.RandomAffine in kinds) == (augmentation == "affine")
 
 
 def test_views_independent_of_dataloader_workers(digits):

@@ -14,6 +14,7 @@ One module per concern:
 """
 
 from contrastive_accelerate.data.augmentation import (
+    AUGMENTATIONS,
     MultiCrop,
     MultiCropBatch,
     TwoViewBatch,
@@ -42,6 +43,7 @@ from contrastive_accelerate.data.sources import (
 from contrastive_accelerate.data.streams import BadRow, ShardStreams, StreamBatches, described
 
 __all__ = [
+    "AUGMENTATIONS",
     "NORMALIZE",
     "BadRow",
     "DataError",

@@ -60,7 +60,7 @@ def affine_augmentation(
 
     SimCLR's hue, saturation and greyscale have nothing to change on grey images, and
     its crops alone cannot turn or shift a stroke by less than a pixel; on the 8x8
-    digits this is the measured recipe (docs/benchmarks.md, the default recipe's search).
+    digits it is one axis of the default recipe's search (docs/benchmarks.md).
     """
     transforms = [
         v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
@@ -70,7 +70,7 @@ def affine_augmentation(
             translate=(0.125, 0.125),
             scale=(0.9, 1.1),
             interpolation=v2.InterpolationMode.BILINEAR,
-        ),  # fmt: skip
+        ),
         v2.RandomApply([v2.ColorJitter(brightness=0.4, contrast=0.4)], p=0.8),
     ]
     return v2.Compose(transforms)
@@ -91,12 +91,12 @@ class ImageOptions:
 
     image_size: int | None = option(None, "none: 8 for the digits, else 32", at_least=1)
     augment: bool = option(True, "random views (--augmentation's); off: the image twice")
-    augmentation: str | None = option(
-        None, "the views' transforms; none: affine for simclr on the digits, else simclr",
+    augmentation: str = option(
+        "simclr", "the views: simclr's crops and colours, or affine: crops, turns, shifts, zooms",
         choices=AUGMENTATIONS,
     )  # fmt: skip
     crop_min_scale: float | None = option(
-        None, "smallest crop area fraction; none: the method's on the digits (0.5), else 0.2",
+        None, "smallest crop area fraction; none: 0.5 for the 8x8 digits, else 0.2",
         above=0.0, at_most=1.0,
     )  # fmt: skip
     horizontal_flip: bool | None = option(
