@@ -10,7 +10,8 @@ share their runs. The search goes in stages: a recipe is run on seed 0 first, an
 seeds 1 and 2 when its seed 0 is the best so far (``--seeds``).
 
     python -m benchmarks.recipes --jobs 2 --recipes old-default affine --seeds 0 1 2
-    python -m benchmarks.recipes --publish     # the table and plot of every saved run
+    python -m benchmarks.recipes --publish     # the table and plot of every saved run, and
+                                               # the runs in benchmarks/results.json
 
 The table goes to ``docs/benchmarks.md``, the plot (kNN against time per recipe) to
 ``docs/recipes.svg``.
@@ -217,6 +218,7 @@ def main() -> None:
     lines = table_lines(rows)
     print("\n".join(lines))
     if args.publish:
+        standalone.merge(standalone.PUBLISHED, "recipes", {"threads": THREADS, "rows": rows})
         standalone.write_docs("recipes", lines, "benchmarks.md")
         (standalone.DOCS / "recipes.svg").write_text(plot(rows))
 
