@@ -166,7 +166,9 @@ def _train(
     _loop(training, progress)
     if not progress.preempted:
         _finish(training, progress)
-    unwrapped = accelerator.unwrap_model(model)
+    # Not the compiled wrapper (--dynamo_backend): its forward still holds the DDP replica,
+    # whose reducer would outlive the process group, which gloo aborts on at exit.
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if progress.preempted:
         accelerator.print(f"stopped by {progress.preempted} {progress.where(resume_path)}; "
                           "continue with --resume-from latest")  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 from contrastive_accelerate.ckpt_diff import max_abs_diff
 from contrastive_accelerate.testing import final_checkpoint, run_on_ranks
 
-from launch import launch, train_pooled
+from launch import launch_script, train_pooled
 from loss_cases import CASES, call, global_batch
 
 SIZES = [5, 3]
@@ -93,6 +93,25 @@ def test_negative_control_a_changed_size_is_counted():
     assert len(graphs) == 2
 
 
+#: ``train()`` as the launcher's compiled processes run it, then what its result keeps.
+COMPILED_SCRIPT = """
+import gc
+import sys
+
+import torch
+import torch.distributed as dist
+
+from contrastive_accelerate.config import parse_args
+from trainer import TrainConfig, train
+
+result = train(parse_args(TrainConfig, sys.argv[1:]))
+gc.collect()
+alive = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+print(f"rank {dist.get_rank()}: DDP replicas alive beside the result: {alive}", flush=True)
+dist.destroy_process_group()
+"""
+
+
 def test_two_compiled_processes_train_the_eager_model(tmp_path):
     """The launcher's ``--dynamo_backend`` on 2 processes: Accelerate compiles the model,
     dynamo traces it and DDP splits the graph at its buckets, AOTAutograd makes the
@@ -105,10 +124,15 @@ def test_two_compiled_processes_train_the_eager_model(tmp_path):
     # the launcher's --dynamo_backend is what this test is about.
     train_pooled(2, *common, "--output-dir", str(runs["eager"]))
     # TORCH_LOGS=guards prints each compiled frame's guards: proof that it compiled.
-    result = launch(2, *common, "--output-dir", str(runs["compiled"]),
-                    launcher_flags=["--dynamo_backend", "aot_eager"], timeout=600,
-                    environment={"TORCH_LOGS": "guards"})  # fmt: skip
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED_SCRIPT)
+    result = launch_script(2, script, *common, "--output-dir", str(runs["compiled"]),
+                           launcher_flags=["--dynamo_backend", "aot_eager"], timeout=600,
+                           environment={"TORCH_LOGS": "guards"})  # fmt: skip
     assert "GUARDS" in result.stderr, "no frame was compiled"
+    # The result holds no DDP replica: one alive when its group ends aborts gloo at exit.
+    for rank in (0, 1):
+        assert f"rank {rank}: DDP replicas alive beside the result: 0" in result.stdout
     worst = max_abs_diff(final_checkpoint(runs["eager"]), final_checkpoint(runs["compiled"]))
     print(f"aot_eager vs eager, 2 processes, 3 steps, float32: max weight difference {worst:.3e}")
     assert worst <= 1e-5
