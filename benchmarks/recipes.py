@@ -23,7 +23,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from benchmarks import standalone
+from benchmarks import quality, standalone
 from contrastive_accelerate.config import parse_args
 from trainer import TrainConfig
 
@@ -72,20 +72,9 @@ def recipe_key(arguments: list[str]) -> str:
 
 
 def one_run(key: str, seed: int, arguments: list[str]) -> dict:
-    """The README's command with ``arguments`` and ``--seed seed``: its figures and time."""
-    result, seconds, records = standalone.readme_run([*arguments, "--seed", str(seed)], THREADS)
-    row = {"key": key, "seed": seed}
-    if result.returncode != 0:
-        return {**row, "error": result.stderr[-500:]}
-    figures = {}
-    for record in records:
-        for name in ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1"):
-            if name in record:
-                figures.setdefault(f"{name}_first", record[name])
-                figures[name] = record[name]
-    return {**row, "seconds": seconds, "knn_top1_init": figures.pop("knn_top1_first"),
-            **{name: figures[name] for name in
-               ("knn_top1", "linear_probe_top1", "raw_pixels_knn_top1")}}  # fmt: skip
+    """The README's command with ``arguments`` and ``--seed seed`` (``benchmarks.quality``'s
+    run, on ``THREADS``), stored under the recipe's ``key``."""
+    return {"key": key, **quality.one_run(seed, THREADS, arguments)}
 
 
 def run(names: list[str], seeds: list[int], jobs: int, saved: Path) -> list[dict]:

@@ -170,9 +170,8 @@ def resumable_runs(
     finished row is appended to and whose rows of today's recipe (and without an error) are
     not run again, so that hours of runs survive an interruption."""
     rows = []
-    if saved is not None and saved.exists():
-        rows = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
-        rows = [row for row in rows if "error" not in row and job_of(row) in jobs
+    if saved is not None:
+        rows = [row for row in saved_rows(saved) if job_of(row) in jobs
                 and row.get("recipe") == recipe_of(job_of(row))]  # fmt: skip
     done = {job_of(row) for row in rows}
     with ThreadPoolExecutor(parallel) as pool:

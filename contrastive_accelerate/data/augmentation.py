@@ -23,6 +23,17 @@ from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
 T = TypeVar("T")
 
 
+def crop_and_flip(
+    image_size: int, crop_min_scale: float, crop_max_scale: float, horizontal_flip: bool
+) -> list[v2.Transform]:
+    """Where every augmentation's view starts: a random crop of (min, max) of the area
+    resized to ``image_size``, then a horizontal flip unless ``horizontal_flip`` is off."""
+    return [
+        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
+        *([v2.RandomHorizontalFlip()] if horizontal_flip else []),
+    ]
+
+
 def simclr_augmentation(
     image_size: int,
     crop_min_scale: float = 0.2,
@@ -36,8 +47,7 @@ def simclr_augmentation(
     ``horizontal_flip`` for images whose mirror image is another class (digits).
     """
     transforms = [
-        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
-        *([v2.RandomHorizontalFlip()] if horizontal_flip else []),
+        *crop_and_flip(image_size, crop_min_scale, crop_max_scale, horizontal_flip),
         v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
         v2.RandomGrayscale(p=0.2),
     ]
@@ -63,8 +73,7 @@ def affine_augmentation(
     digits it is one axis of the default recipe's search (docs/benchmarks.md).
     """
     transforms = [
-        v2.RandomResizedCrop(image_size, scale=(crop_min_scale, crop_max_scale), antialias=True),
-        *([v2.RandomHorizontalFlip()] if horizontal_flip else []),
+        *crop_and_flip(image_size, crop_min_scale, crop_max_scale, horizontal_flip),
         v2.RandomAffine(
             degrees=10,
             translate=(0.125, 0.125),
