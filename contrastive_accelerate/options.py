@@ -254,7 +254,7 @@ class TrainConfig(*reversed(SECTIONS)):  # the first section's fields first
         values = {name: value for name, value in values.items() if name in names}
         # What decides the options read, and what a valid choice of them needs.
         shaping = ("method", "loss", "columns", "dataset", "max_steps", "streaming", "gist_guide",
-                   "distill_teacher")  # fmt: skip
+                   "distill_teacher", "model")  # fmt: skip
         shape = cls(**{name: values[name] for name in shaping if name in values})
         read = METHODS[shape.chosen_method].read_by(shape)
         return cls(

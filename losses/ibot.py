@@ -27,6 +27,8 @@ class IBOTPatchLoss(nn.Module):
     no collective but the sizes' exchange. On one process it is lightly's
     ``IBOTPatchLoss`` given the same center; the center is the caller's state
     (``losses.dino.batch_center`` of the teacher's patch outputs gives its update).
+    ``center=None`` takes ``teacher_patches`` as the targets ``q`` themselves (DINOv2's
+    Sinkhorn-Knopp codes, ``losses.sinkhorn_knopp``), as ``DINOLoss`` does.
 
     Example::
 
@@ -51,7 +53,7 @@ class IBOTPatchLoss(nn.Module):
         teacher_patches: torch.Tensor,
         masks: torch.Tensor,
         teacher_temperature: float,
-        center: torch.Tensor,
+        center: torch.Tensor | None,
         *,
         sizes: list[int] | None = None,
     ) -> torch.Tensor:
@@ -65,11 +67,12 @@ class IBOTPatchLoss(nn.Module):
                 f"{name}: student and teacher patches must be (masked, K) alike, got "
                 f"{tuple(student_patches.shape)} and {tuple(teacher_patches.shape)}"
             )
-        if len(student_patches) != int(per_image.sum()):
-            raise ValueError(
-                f"{name}: {len(student_patches)} patch rows for {int(per_image.sum())} "
-                "masked patches"
-            )
+        # Checked on the device, which the host does not wait for (an error on CUDA at
+        # the next read): one patch row for each masked patch.
+        torch._assert_async(
+            per_image.sum() == len(student_patches),
+            f"{name}: the patch rows are not one for each masked patch of masks",
+        )
         flat = masks.flatten(1).to(student_patches.dtype)
         rank, world_size, sizes, _ = check_batch(
             name, flat, flat, gather_distributed=self.gather_distributed, sizes=sizes
@@ -77,14 +80,30 @@ class IBOTPatchLoss(nn.Module):
         require_global_batch(name, sizes, 1, "")
         with autocast_off(student_patches.device):
             dtype = compute_dtype(student_patches, teacher_patches)
-            targets = F.softmax(
-                (teacher_patches.to(dtype) - center.to(dtype)) / teacher_temperature, dim=-1
+            targets = (
+                teacher_patches.to(dtype)
+                if center is None
+                else F.softmax(
+                    (teacher_patches.to(dtype) - center.to(dtype)) / teacher_temperature, dim=-1
+                )
             )
             log_probabilities = F.log_softmax(
                 student_patches.to(dtype) / self.student_temperature, dim=-1
             )
             cross_entropy = -(targets * log_probabilities).sum(dim=-1)
-            weights = (1 / per_image.clamp(min=1).to(dtype)).repeat_interleave(per_image)
+            # 1 / |M_i| at each masked patch of image i, in the rows' order.
+            weights = (flat.to(dtype) / per_image.clamp(min=1).to(dtype)[:, None]).flatten()
+            weights = weights[masked_rows(masks, len(student_patches))]
             return (cross_entropy * weights.to(cross_entropy.device)).sum() * (
                 world_size / sum(sizes)
             )
+
+
+def masked_rows(masks: torch.Tensor, masked: int | None = None) -> torch.Tensor:
+    """The flat positions of ``masks``' True entries in order, as ``nonzero`` gives them,
+    without a read of the device when their number ``masked`` is given: a stable sort puts
+    them first."""
+    flat = masks.flatten()
+    if masked is None:
+        masked = int(flat.sum())
+    return torch.argsort(flat.logical_not().to(torch.uint8), stable=True)[:masked]

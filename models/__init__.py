@@ -1,6 +1,7 @@
 """Models for contrastive pre-training."""
 
 from models.dino import DINOModel
+from models.dinov2 import DINOv2Model
 from models.distill import DistillStudent
 from models.dropout import (
     SampleDropout,
@@ -18,6 +19,7 @@ from models.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 __all__ = [
     "BACKBONES",
     "DINOModel",
+    "DINOv2Model",
     "DistillStudent",
     "ImageModel",
     "PredictorModel",

@@ -32,6 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 # Generous for a loaded 2-core CI machine; a hung collective fails one test, not CI.
 LAUNCH_TIMEOUT_S = 300
+#: The tower from scratch that a method's quick tests train where the others train the
+#: mlp: DINOv2 masks the patches of a ViT.
+QUICK_TOWERS = {"dinov2": "vit_micro"}
+
+
+def quick_tower(method: str) -> str:
+    """The tower from scratch of ``method``'s quick tests."""
+    return QUICK_TOWERS.get(method, "mlp")
 
 
 def launch(

@@ -47,13 +47,13 @@ from launch import (
     make_sentence_pairs,
     make_text_pair_shards,
     make_timm_model,
+    quick_tower,
     train_pooled,
 )
 
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "5", "--save-every", "2",
           "--knn-k", "0", "--num-workers", "0", "--log-every", "5"]  # fmt: skip
-SCRATCH_TOWER = ("--model", "mlp", "--dropout", "0.1")  # a tower from scratch, with dropout
 IMAGES = ["--image-size", "8", "--lr", "0.1"]
 TEXT = ["--max-length", "8", "--lr", "1e-3"]
 #: Each family's own flags (its data are added by ``command``).
@@ -62,6 +62,7 @@ FAMILY_FLAGS = {
     "--method moco": [*IMAGES, "--method", "moco", "--queue-size", "10"],
     "--method byol": [*IMAGES, "--method", "byol"],
     "--method dino": [*IMAGES, "--method", "dino", "--dino-out-dim", "64"],
+    "--method dinov2": [*IMAGES, "--method", "dinov2", "--dino-out-dim", "64"],
     "--method swav": [
         *IMAGES,
         "--method",
@@ -127,7 +128,8 @@ def command(cell: Cell, data: dict[str, str]) -> tuple[str, ...]:
     else:
         shards = data["text shards"] if text_pairs else data["image shards"]
         source = ["--streaming", "--dataset", shards, "--shuffle-buffer", "4"]
-    tower = {None: [], "scratch": SCRATCH_TOWER, "transformers": ["--image-model", data["vit"]],
+    scratch = ["--model", quick_tower(cell.method), "--dropout", "0.1"]  # with dropout
+    tower = {None: [], "scratch": scratch, "transformers": ["--image-model", data["vit"]],
              "clip": ["--clip-model", data["clip"]], "timm": ["--timm-model", data["timm"]],
              }[cell.tower]  # fmt: skip
     if text_pairs:
@@ -203,7 +205,8 @@ TABLE_CELLS = {
 
 
 #: What a method cannot run without.
-REQUIRED = {"pairs": {"columns": "a,b"}, "distill": {"distill_teacher": "teacher"}}
+REQUIRED = {"pairs": {"columns": "a,b"}, "distill": {"distill_teacher": "teacher"},
+            "dinov2": {"model": "vit_micro"}}  # fmt: skip
 
 
 def test_every_method_declares_its_options_and_families():
@@ -254,8 +257,10 @@ def test_a_mid_stream_checkpoint_of_two_processes_resumes_on_three(runs, data, m
     assert error <= EXACT
 
 
-#: The methods that read images alone (their data are ``image_data``'s).
-IMAGE_METHODS = [name for name, row in METHODS.items() if row.load is image_data]
+#: The methods that read images alone (their data are ``image_data``'s) on the pretrained
+#: towers (DINOv2 masks the patches of our own ViTs only).
+IMAGE_METHODS = [name for name, row in METHODS.items() if row.load is image_data
+                 and {"transformers", "timm"} <= set(row.families[0].towers)]  # fmt: skip
 
 
 def pretrained_cell(method: str, tower: str) -> Cell:
@@ -412,7 +417,8 @@ def test_a_toy_method_of_one_module_and_one_row_is_checked_refused_and_trained(
         ]
         assert len(toy) == len(TOWERS) * 3 and "--method toy" in page(METHODS)
     assert "toy" not in METHODS
-    flags = ["--method", "toy", *COMMON, *IMAGES, *SCRATCH_TOWER, "--dataset", image_folder]
+    flags = ["--method", "toy", *COMMON, *IMAGES, "--model", "mlp", "--dropout", "0.1",
+             "--dataset", image_folder]  # fmt: skip
     runs = {}
     for processes in (1, 2):
         runs[processes] = tmp_path / f"on-{processes}"

@@ -45,12 +45,14 @@ VALUES["mixture_weights"] = "2,1"  # one per source of MIXED
 VALUES["matryoshka_dims"], VALUES["matryoshka_weights"] = "8,4", "1,0.5"
 VALUES["prompts"] = "a=query: "  # a column of PAIRS' --columns
 VALUES["distill_teacher"] = "teacher"  # as NEEDS gives it
+VALUES["mask_probability"], VALUES["mask_ratio_max"] = 0.25, 0.75  # defaults: the middle
 # Options valid only beside another option's value.
 STREAMED = ["--dataset", "shards", "--max-steps", "5", "--columns", "a,b"]
 MIXED = ["--dataset", "one", "--dataset", "two", "--max-steps", "5", "--columns", "a,b"]
 PAIRS = ["--columns", "a,b"]  # what --method pairs needs besides its row
 #: What each method needs besides its row.
-NEEDS = {"pairs": PAIRS, "distill": ["--distill-teacher", "teacher"]}
+NEEDS = {"pairs": PAIRS, "distill": ["--distill-teacher", "teacher"],
+         "dinov2": ["--model", "vit_micro"]}  # fmt: skip
 
 
 def _part_flags() -> list[list[str]]:
@@ -310,7 +312,10 @@ def test_a_json_config_nested_too_deeply_is_one_line(tmp_path):
         ({"optimizer": "adam"}, "--optimizer 'adam': choose one of sgd, adamw, lars"),
         ({"epochs": 2.5}, "--epochs: expected int, got 2.5"),
         ({"overwrite_output_dir": True, "resume_from": "latest"}, "exclude each other"),
-        ({"dropout": 0.1}, "--dropout applies to vit_tiny, vit_small, mlp, not --model resnet18"),
+        (
+            {"dropout": 0.1},
+            "--dropout applies to vit_micro, vit_tiny, vit_small, mlp, not --model resnet18",
+        ),
         ({"dropout": 1.0, "model": "vit_tiny"}, "--dropout 1: must be >= 0 and < 1"),
         ({"accumulation_chunks": 0}, "--accumulation-chunks 0: must be >= 1"),
     ],
@@ -366,8 +371,8 @@ def test_usage_errors_are_one_line(capfd):
         ),
         (
             {"model": "mlp", "gradient_checkpointing": True},
-            "--gradient-checkpointing applies to resnet18, resnet34, resnet50, vit_tiny, "
-            "vit_small, not --model mlp",
+            "--gradient-checkpointing applies to resnet18, resnet34, resnet50, vit_micro, "
+            "vit_tiny, vit_small, not --model mlp",
         ),
         (
             {"columns": "a,b", "clip_model": "clip", "text_model": "bert"},
@@ -385,7 +390,10 @@ def test_usage_errors_are_one_line(capfd):
             {"columns": "a,b", "image_model": "vit", "dropout": 0.1},
             "--dropout does not apply with --image-model",
         ),
-        ({"drop_path": 0.1}, "--drop-path applies to vit_tiny, vit_small, not --model resnet18"),
+        (
+            {"drop_path": 0.1},
+            "--drop-path applies to vit_micro, vit_tiny, vit_small, not --model resnet18",
+        ),
         ({"method": "byol", "local_crops": 2}, "--local-crops does not apply to --method byol"),
         (
             {"method": "dino", "dino_center": "sinkhorn", "center_momentum": 0.8},

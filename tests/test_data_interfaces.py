@@ -29,6 +29,7 @@ from launch import (
     make_sentence_pairs,
     make_teacher,
     make_text_pair_shards,
+    quick_tower,
 )
 
 pytest.importorskip("transformers")
@@ -75,7 +76,7 @@ def options(method: str, family: str, source: str, data: dict[str, str]) -> dict
                "stream": {"dataset": data["image shards"], **streamed},
                "mixture": {"dataset": (data["images"],) * 2, "max_steps": 2}}  # fmt: skip
     teacher = {"distill_teacher": data["teacher"]} if method == "distill" else {}
-    return {"method": method, **dataset[source], **IMAGES, **teacher}
+    return {"method": method, **dataset[source], **IMAGES, "model": quick_tower(method), **teacher}
 
 
 def test_every_family_has_a_configuration(data):

@@ -30,17 +30,18 @@ from contrastive_accelerate.testing import HostSyncs, run_on_ranks
 from losses import NTXentLoss, SigLIPLoss
 from trainer import TrainConfig
 
-from launch import make_teacher, one_line_errors, train_pooled
+from launch import make_teacher, one_line_errors, quick_tower, train_pooled
 
 BATCH = 7  # odd: the two ranks hold 4 and 3 samples
 #: (name, model, K): every --loss of simclr on the mlp, then ResNet-18 with SyncBatchNorm for
 #: NT-Xent and Barlow Twins (whose projector has BatchNorm too): a loss's reads do not depend
-#: on the encoder, nor SyncBatchNorm's on the loss. Then the other methods, on the mlp:
-#: their steps add a teacher, a queue and a center, whose code paths do not depend on it.
+#: on the encoder, nor SyncBatchNorm's on the loss. Then the other methods, on the mlp
+#: (DINOv2 on its quick ViT): their steps add a teacher, a queue and a center, whose code
+#: paths do not depend on it.
 CASES = [(name, "mlp", chunks) for name in SIMCLR_LOSSES for chunks in (1, 3)]
 CASES += [("ntxent", "resnet18", 1), ("ntxent", "resnet18", 3), ("barlowtwins", "resnet18", 1)]
 CASES += [
-    (method, "mlp", chunks)
+    (method, quick_tower(method), chunks)
     for method in METHODS
     if method not in ("simclr", "pairs")
     for chunks in (1, 3)

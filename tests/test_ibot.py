@@ -162,5 +162,5 @@ def test_bf16_outputs_under_autocast_give_a_float32_loss():
 
 def test_patch_rows_that_are_not_the_masked_patches_are_one_line():
     masks, student, teacher, center = batch(6)
-    with pytest.raises(ValueError, match="patch rows for"):
+    with pytest.raises(RuntimeError, match="not one for each masked patch"):
         IBOTPatchLoss()(student[1:], teacher[1:], masks, 0.04, center)

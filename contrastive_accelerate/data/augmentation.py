@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 
 from contrastive_accelerate.config import option
 from contrastive_accelerate.data.decoding import NORMALIZE, UnreadableImage, read_image, resize_to
+from contrastive_accelerate.data.masks import PatchMasking
 from contrastive_accelerate.data.sampler import AUGMENT_STREAM, derive_seed
 
 T = TypeVar("T")
@@ -269,7 +270,9 @@ class MultiCrop(torch.utils.data.Dataset):
     ``local_crop_size`` at (0.05, ``crop_min_scale``), the rest of ``augmentation``'s
     transforms on each (SimCLR's colour augmentation by default). Items are ``(epoch,
     index)`` pairs; with ``per_sample_seed`` every crop is drawn from (seed, epoch, index)
-    in crop order, as ``TwoViews`` draws its two views.
+    in crop order, as ``TwoViews`` draws its two views. With ``masking`` each global crop
+    has a patch mask too (iBOT's, ``data.masks``), drawn from (seed, epoch, index, crop),
+    or from the process's RNG without ``per_sample_seed``.
     """
 
     def __init__(
@@ -285,10 +288,12 @@ class MultiCrop(torch.utils.data.Dataset):
         crop_min_scale: float = 0.4,
         horizontal_flip: bool = True,
         augmentation: str = "simclr",
+        masking: PatchMasking | None = None,
     ) -> None:
         self.dataset, self.image_column = dataset, image_column
         self.image_size, self.local_crop_size = image_size, local_crop_size
         self.images = SampleImages(image_size, seed, per_sample_seed)
+        self.masking, self.seed, self.per_sample_seed = masking, seed, per_sample_seed
         self.global_crops, self.local_crops = global_crops, local_crops
         views = AUGMENTATIONS[augmentation]
         self.global_augment = views(image_size, crop_min_scale, 1.0, horizontal_flip)
@@ -299,11 +304,16 @@ class MultiCrop(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _crops(self, image) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return (
-            [NORMALIZE(self.global_augment(image)) for _ in range(self.global_crops)],
-            [NORMALIZE(self.local_augment(image)) for _ in range(self.local_crops)],
-        )
+    def _crops(self, image, epoch: int, index: int) -> tuple:
+        """The global crops, the local ones, the global crops' masks and their counts
+        (None without ``masking``), the index."""
+        global_crops = [NORMALIZE(self.global_augment(image)) for _ in range(self.global_crops)]
+        local_crops = [NORMALIZE(self.local_augment(image)) for _ in range(self.local_crops)]
+        masks = None
+        if self.masking is not None:  # the control draws its seed from the process's RNG
+            seed = self.seed if self.per_sample_seed else int(torch.randint(2**62, ()))
+            masks = self.masking.draw(seed, epoch, index, self.global_crops)
+        return global_crops, local_crops, masks, index
 
     def __getitem__(self, item: tuple[int, int]):
         epoch, index = item
@@ -316,7 +326,7 @@ class MultiCrop(torch.utils.data.Dataset):
     def item(self, row: dict, epoch: int, index: int):
         """Sample ``(epoch, index)``'s crops from its ``row``: of a table or a stream."""
         source = row[self.image_column]
-        return self.images(source, epoch, index, lambda image: (*self._crops(image), index))
+        return self.images(source, epoch, index, lambda image: self._crops(image, epoch, index))
 
     def collate(self, items: list) -> MultiCropBatch:
         """Crops stacked per crop, ``(crops, n, C, H, W)`` per resolution; unreadable images
@@ -329,12 +339,21 @@ class MultiCrop(torch.utils.data.Dataset):
                 return torch.empty(count, 0, 3, size, size)
             return torch.stack([torch.stack(per_crop) for per_crop in zip(*crops, strict=True)])
 
+        masks, masked = None, ()
+        if self.masking is not None:  # (global crops, n, patches); counts per crop and sample
+            patches = self.masking.grid[0] * self.masking.grid[1]
+            drawn = [sample[2] for sample in samples]
+            masks = (torch.stack([m for m, _ in drawn], dim=1) if drawn
+                     else torch.zeros(self.global_crops, 0, patches, dtype=torch.bool))  # fmt: skip
+            masked = tuple(zip(*(counts for _, counts in drawn), strict=True)) or (
+                ((),) * self.global_crops
+            )
         if not samples:
             indices = torch.empty(0, dtype=torch.long)
             global_crops = stacked([], self.global_crops, self.image_size)
             local_crops = stacked([], self.local_crops, self.local_crop_size)
-            return MultiCropBatch(global_crops, local_crops, indices, unreadable)
-        global_crops, local_crops, indices = zip(*samples, strict=True)
+            return MultiCropBatch(global_crops, local_crops, indices, unreadable, masks, masked)
+        global_crops, local_crops, _, indices = zip(*samples, strict=True)
         return MultiCropBatch(
             stacked(list(global_crops), self.global_crops, self.image_size),
             stacked(list(local_crops), self.local_crops, self.local_crop_size)
@@ -342,16 +361,23 @@ class MultiCrop(torch.utils.data.Dataset):
             else torch.empty(0, len(samples), 3, self.local_crop_size, self.local_crop_size),
             torch.tensor(indices),
             unreadable,
+            masks,
+            masked,
         )
 
 
 class MultiCropBatch(NamedTuple):
-    """A rank's share of a global batch: every crop of each readable sample, per resolution."""
+    """A rank's share of a global batch: every crop of each readable sample, per resolution,
+    and with ``MultiCrop``'s ``masking`` the global crops' patch masks."""
 
     global_crops: torch.Tensor  # (global crops, n, C, H, W)
     local_crops: torch.Tensor  # (local crops, n, C, h, w)
     indices: torch.Tensor
     unreadable: list[UnreadableImage]
+    masks: torch.Tensor | None = None  # (global crops, n, patches) boolean
+    #: Each global crop's count of masked patches per sample, host integers: the step
+    #: selects the masked patches without reading a count from the device.
+    masked: tuple[tuple[int, ...], ...] = ()
 
     def split(self, chunks: int) -> list[MultiCropBatch]:
         """``chunks`` pieces along the samples (see ``TwoViewBatch.split``)."""
@@ -361,4 +387,17 @@ class MultiCropBatch(NamedTuple):
             self.indices.tensor_split(chunks),
             strict=True,
         )
-        return [MultiCropBatch(*piece, []) for piece in pieces]
+        ends = [0]
+        for piece in range(chunks):  # tensor_split's: the first n % chunks one sample larger
+            ends.append(
+                ends[-1] + len(self.indices) // chunks + (piece < len(self.indices) % chunks)
+            )
+        return [
+            MultiCropBatch(
+                *piece,
+                [],
+                None if self.masks is None else self.masks[:, start:end],
+                tuple(counts[start:end] for counts in self.masked),
+            )  # fmt: skip
+            for piece, start, end in zip(pieces, ends[:-1], ends[1:], strict=True)
+        ]

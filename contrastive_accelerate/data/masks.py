@@ -1,6 +1,8 @@
-"""iBOT's and DINOv2's patch masks, drawn per sample: a sample's mask is a function of
-(seed, epoch, index) alone, so it is the same on any number of processes and loader
-workers, as its augmentation is.
+"""iBOT's and DINOv2's patch masks, drawn per sample: a sample's mask of a view is a
+function of (seed, epoch, index, view) alone, so it is the same on any number of
+processes and loader workers, as its augmentation is. The loader draws them
+(``PatchMasking``, which ``data.MultiCrop`` takes), as DINOv2's collate does, so the step
+reads nothing of them from the device.
 
 DINOv2 draws them per batch (``collate_data_and_cast``): the first half of a batch's
 samples get masking ratios spread evenly over ``[min, max]``, the rest none, then the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,18 +37,38 @@ def patch_masks(
     grid: tuple[int, int],
     probability: float = 0.5,
     ratio: tuple[float, float] = (0.1, 0.5),
+    view: int = 0,
 ) -> torch.Tensor:
     """``(len(indices), height, width)`` boolean masks, True where a patch is masked:
-    sample ``i``'s mask drawn from (seed, epoch, i) alone (DINOv2's defaults: half the
-    samples masked, at ratios from 0.1 to 0.5)."""
+    sample ``i``'s mask of view ``view`` drawn from (seed, epoch, i, view) alone (DINOv2's
+    defaults: half the samples masked, at ratios from 0.1 to 0.5)."""
     height, width = grid
     masks = torch.zeros((len(indices), height, width), dtype=torch.bool)
     for row, index in enumerate(indices):
-        draws = random.Random(derive_seed(seed, MASK_STREAM, epoch, int(index)))
+        draws = random.Random(derive_seed(seed, MASK_STREAM, epoch, int(index), view))
         if draws.random() < probability:
             count = int(height * width * draws.uniform(*ratio))
             masks[row] = block_mask(grid, count, draws)
     return masks
+
+
+@dataclass(frozen=True)
+class PatchMasking:
+    """How a sample's views are masked: the patch grid, the chance that a view is masked
+    and the range of a masked view's share of patches (DINOv2's defaults)."""
+
+    grid: tuple[int, int]
+    probability: float = 0.5
+    ratio: tuple[float, float] = (0.1, 0.5)
+
+    def draw(self, seed: int, epoch: int, index: int, views: int) -> tuple[torch.Tensor, list[int]]:
+        """``(views, patches)`` boolean masks of sample ``(epoch, index)``'s first ``views``
+        views, and each one's count of masked patches, as host integers."""
+        masks = torch.cat([
+            patch_masks(seed, epoch, [index], self.grid, self.probability, self.ratio, view)
+            for view in range(views)
+        ]).flatten(1)  # fmt: skip
+        return masks, [int(count) for count in masks.sum(dim=1)]
 
 
 def block_mask(

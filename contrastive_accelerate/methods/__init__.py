@@ -1,5 +1,5 @@
-"""Training methods: SimCLR and its losses, MoCo, BYOL, DINO, SwAV, distillation, text and
-image-text pairs.
+"""Training methods: SimCLR and its losses, MoCo, BYOL, DINO, DINOv2, SwAV, distillation,
+text and image-text pairs.
 
 The loop (``trainer.py``) knows nothing of towers, views or losses: it calls a
 ``Method`` (``methods.base``) through its members and hooks, and nothing else of it.
@@ -8,8 +8,8 @@ it reads (set for another method, they are refused), its defaults and its refusa
 which ``TrainConfig`` applies before anything is built, and its families: the kinds of
 source and of image tower it trains on, against which ``composition`` refuses the
 others, with the one reason each, and draws the matrix (docs/composition.md). Each
-method family is one module: ``simclr``, ``momentum`` (MoCo v3, BYOL), ``dino``, ``swav``,
-``distill`` (the last three share ``multicrop``), and
+method family is one module: ``simclr``, ``momentum`` (MoCo v3, BYOL), ``dino``,
+``dinov2``, ``swav``, ``distill`` (the last four share ``multicrop``), and
 ``pairs`` (``text_pairs`` and ``image_text``, as the data are); every ``--loss`` of
 every method is a row of one table, ``loss_table.LOSSES``, and a family names the rows
 it takes (``Family.losses``).
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from contrastive_accelerate.methods.base import DTYPES, Method, MethodRow
 from contrastive_accelerate.methods.dino import DINO, DINO_OPTIONS
+from contrastive_accelerate.methods.dinov2 import DINOV2
 from contrastive_accelerate.methods.distill import DISTILL
 from contrastive_accelerate.methods.loss_table import LOSSES, LossRow
 from contrastive_accelerate.methods.momentum import BYOL, MOCO, TEACHER_OPTIONS
@@ -49,6 +50,7 @@ METHODS: dict[str, MethodRow] = {
     "moco": MOCO,
     "byol": BYOL,
     "dino": DINO,
+    "dinov2": DINOV2,
     "swav": SWAV,
     "distill": DISTILL,
     "pairs": PAIRS,

@@ -12,6 +12,7 @@ from torch import nn
 
 from contrastive_accelerate.config import ConfigError, field_names, is_set, option
 from contrastive_accelerate.data import MultiCropBatch
+from contrastive_accelerate.data.masks import PatchMasking
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.launch import TrainerError
 from contrastive_accelerate.methods.base import (
@@ -114,14 +115,14 @@ class DINOMethod(TeacherMethod):
         self.center_formula, self.gather = config.dino_center, config.gather
         self.freeze_last_layer = config.freeze_last_layer
         self.freeze_last_layer_steps = config.freeze_last_layer_steps
-        self.dataset = multicrop_dataset(config, data)
+        self.dataset = multicrop_dataset(config, data, self.patch_masking(config))
         _, hidden, bottleneck = SIMCLR_HEAD
         self.koleo_weight = config.koleo_weight
         self.model = image_model(
-            config, world_size, say, DINOModel, projection_hidden_dim=hidden,
+            config, world_size, say, self.model_class, projection_hidden_dim=hidden,
             projection_dim=bottleneck, dino_out_dim=config.dino_out_dim,
             other_size=config.local_crop_size if config.local_crops else None,
-            class_features=config.koleo_weight > 0,
+            class_features=config.koleo_weight > 0, **self.heads(config),
         )  # fmt: skip
         # What precedes the logits in the model's outputs: its class features, or nothing.
         self.features = self.model.feature_dim if config.koleo_weight else 0
@@ -131,6 +132,16 @@ class DINOMethod(TeacherMethod):
         self.center = torch.zeros(1, config.dino_out_dim, dtype=self.teacher.dtype, device=device)
         self.criterion = DINOLoss(config.temperature, gather_distributed=config.gather)
         self._teacher_crops: tuple[list[torch.Tensor], Sequence[int] | None] | None = None
+
+    #: The model of student and teacher; ``heads(config)``: its arguments besides DINO's.
+    model_class: type[DINOModel] = DINOModel
+
+    def heads(self, config) -> dict[str, Any]:
+        return {}
+
+    def patch_masking(self, config) -> PatchMasking | None:
+        """How the loader masks the global crops' patches; None: it does not."""
+        return None
 
     def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:
         return embed_multicrop(model, chunk, self.seed, step)
@@ -142,16 +153,30 @@ class DINOMethod(TeacherMethod):
         sizes: Sequence[int] | None,
         step: int,
     ) -> torch.Tensor:
-        crops = len(batch.global_crops)
-        features, student = zip(
-            *(crop.split([self.features, crop.shape[1] - self.features], dim=1)
-              for crop in crop_outputs(outputs, batch)), strict=True,
-        )  # fmt: skip
         with torch.no_grad():
             # Views 64 + crop: the teacher's dropout masks are not the student's.
             targets = embed_crops(
                 self.teacher, batch.global_crops, batch.indices, self.seed, step, 64
-            )[:, self.features :]
+            )
+        return self.image_loss(crop_outputs(outputs, batch), targets, batch, sizes, step)
+
+    def image_loss(
+        self,
+        student_crops: list[torch.Tensor],
+        teacher_outputs: torch.Tensor,
+        batch: MultiCropBatch,
+        sizes: Sequence[int] | None,
+        step: int,
+    ) -> torch.Tensor:
+        """DINO's loss and DINOv2's KoLeo, from the student's outputs of each crop and the
+        teacher's of the global crops, crop-major (class features first where KoLeo
+        reads them)."""
+        crops = len(batch.global_crops)
+        features, student = zip(
+            *(crop.split([self.features, crop.shape[1] - self.features], dim=1)
+              for crop in student_crops), strict=True,
+        )  # fmt: skip
+        targets = teacher_outputs[:, self.features :]
         loss = self.dino_loss(list(student), targets, crops, sizes, step)
         # DINOv2's KoLeo, summed over the global crops; a global batch of one sample has no
         # neighbour, and that step goes without it.

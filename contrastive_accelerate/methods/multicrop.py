@@ -5,6 +5,7 @@ their refusals."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from contrastive_accelerate.config import ConfigError, field_names, option
 from contrastive_accelerate.data import MultiCrop, MultiCropBatch
 from contrastive_accelerate.data.images import MixedImages, per_source
+from contrastive_accelerate.data.masks import PatchMasking
 from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.methods.base import augmentation_options
@@ -38,12 +40,16 @@ class MultiCropOptions:
 MULTICROP_OPTIONS = field_names(MultiCropOptions)
 
 
-def multicrop_dataset(config, data: ImageData | MixedImages) -> MultiCrop | Mixture:
-    """Each image's global and local crops, drawn from (seed, epoch, index, crop); of each
-    source, for a mixture."""
+def multicrop_dataset(
+    config, data: ImageData | MixedImages, masking: PatchMasking | None = None
+) -> MultiCrop | Mixture:
+    """Each image's global and local crops, drawn from (seed, epoch, index, crop), with
+    the global crops' patch masks where ``masking`` says how; of each source, for a
+    mixture."""
     return per_source(data, lambda rows, image_column: MultiCrop(
         rows, image_column, config.image_size, config.seed, config.global_crops,
         config.local_crops, config.local_crop_size, **augmentation_options(config),
+        masking=masking,
     ))  # fmt: skip
 
 
@@ -54,15 +60,17 @@ def embed_crops(
     seed: int,
     step: int,
     first_view: int,
-) -> torch.Tensor:
+    **inputs: Any,
+) -> Any:
     """``(crops, n, C, H, W)`` of one resolution in one forward, crop-major rows;
-    dropout keyed by (seed, step, each sample's index, ``first_view`` + crop)."""
+    dropout keyed by (seed, step, each sample's index, ``first_view`` + crop); ``inputs``
+    are the model's other arguments (DINOv2's patch masks)."""
     parameter = next(model.parameters())
     images = crops.to(parameter.device, parameter.dtype, non_blocking=True).flatten(0, 1)
     views = range(first_view, first_view + len(crops))
     keys = torch.cat([sample_keys(seed, step, indices, view) for view in views])
     with sample_randomness(keys.to(parameter.device, non_blocking=True)):
-        return model(images)
+        return model(images, **inputs)
 
 
 def embed_multicrop(model: nn.Module, chunk: MultiCropBatch, seed: int, step: int) -> torch.Tensor:

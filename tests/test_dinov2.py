@@ -1,0 +1,114 @@
+"""DINOv2 (``--method dinov2``): the model's masked forward, and the method's masks, heads
+and centers in training. Its 1 vs 2 vs 3 processes runs on every source, its mid-epoch
+resume on another number of processes and its per-process dropout control are
+``test_composition``'s; the iBOT loss against lightly's and over ranks, and the masks'
+draw against DINOv2's ``MaskingGenerator``, are ``test_ibot``'s.
+
+- Model: the masked patches are selected in order without a read of the device (the
+  loader counts them); with no patch masked the student's outputs are DINO's; a masked patch's
+  embedding is the mask token (the class output moves, the mask token gets a gradient),
+  and the teacher's view (``mask_input=False``) is DINO's forward.
+- Trained, every other choice at once (iBOT's own head, the Sinkhorn-Knopp centering of
+  both losses, KoLeo, gradient caching's chunks with an empty one) on 1 and 2
+  processes: the same model within 1e-9 (float64). Controls: masks drawn per process
+  (seed + rank, DINOv2's per-rank ``random``, with augmentation and dropout off so that
+  nothing else differs) train another model on 2 processes; without iBOT's loss
+  (``--ibot-weight 0``) the model is another one. The patch center has moved from zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrastive_accelerate.config import ConfigError, parse_args
+from contrastive_accelerate.testing import HostSyncs
+from losses.ibot import masked_rows
+from models import DINOv2Model
+from trainer import TrainConfig
+
+from launch import TrainerRuns, final_files_difference
+
+EXACT = 1e-9  # float64: only the summation order differs between the world sizes
+COMMON = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "4", "--knn-k", "0",
+          "--num-workers", "0", "--log-every", "4", "--image-size", "8", "--lr", "0.1",
+          "--method", "dinov2", "--model", "vit_micro", "--dino-out-dim", "32"]  # fmt: skip
+#: Every choice that the composition matrix's cells leave at its default.
+EVERY_CHOICE = ("--separate-ibot-head", "--dino-center", "sinkhorn", "--koleo-weight", "0.1")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, image_folder):
+    return TrainerRuns(tmp_path_factory, *COMMON, "--dataset", image_folder)
+
+
+def model_and_masks() -> tuple[DINOv2Model, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = DINOv2Model("vit_micro", image_size=8, dino_out_dim=16).double().eval()
+    with torch.no_grad():
+        model.mask_token.normal_()  # zeros at first, as DINOv2's: any value is a token
+    masks = torch.zeros(3, 64, dtype=torch.bool)
+    masks[0, :10], masks[2, 30:33] = True, True
+    return model, torch.randn(3, 3, 8, 8, dtype=torch.float64), masks
+
+
+def test_the_masked_rows_are_nonzeros_without_a_read_of_the_device():
+    _, _, masks = model_and_masks()
+    expected = masks.flatten().nonzero().squeeze(1)
+    assert torch.equal(masked_rows(masks, int(masks.sum())), expected)
+    with HostSyncs() as syncs:
+        masked_rows(masks, 13)
+    assert syncs.seen == []
+
+
+def test_the_student_sees_the_mask_token_and_the_teacher_the_whole_crop():
+    model, images, masks = model_and_masks()
+    dino = model(images)
+    classes, patches = model(images, masks)
+    assert patches.shape == (int(masks.sum()), 16)
+    unmasked = masks.any(dim=1).logical_not()
+    assert torch.equal(classes[unmasked], dino[unmasked])  # no patch masked: DINO's
+    assert (classes[~unmasked] - dino[~unmasked]).abs().min() > 1e-6  # the token moved it
+    teacher, _ = model(images, masks, mask_input=False)
+    assert torch.equal(teacher, dino)
+    (classes.sum() + patches.sum()).backward()
+    assert model.mask_token.grad.abs().sum() > 0
+
+
+def test_bad_choices_are_refused_in_one_line(image_folder):
+    for flags, message in (
+        (["--model", "resnet18"], "masks the patches of a ViT"),
+        (["--mask-ratio-min", "0.6"], "--mask-ratio-min 0.6 is above --mask-ratio-max 0.5"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_args(TrainConfig, [*COMMON, "--dataset", image_folder, *flags])
+
+
+def test_every_choice_at_once_trains_one_model_on_1_and_2_processes(runs):
+    one = runs(1, *EVERY_CHOICE)
+    error = final_files_difference(one, runs(2, *EVERY_CHOICE, "--accumulation-chunks", "2"))
+    print(f"dinov2, separate iBOT head, Sinkhorn-Knopp, KoLeo, 1 vs 2 processes x 2 chunks: "
+          f"{error:.1e}")  # fmt: skip
+    assert error <= EXACT
+
+
+def test_control_masks_drawn_per_process_train_another_model(runs):
+    quiet = ("--no-augment", "--dropout", "0")  # the masks are then the only draw
+    same = final_files_difference(runs(1, *quiet), runs(2, *quiet))
+    control = final_files_difference(
+        runs(1, *quiet), runs(2, *quiet, "--augmentation-seeding", "per-process")
+    )
+    print(f"dinov2 without augmentation or dropout, 1 vs 2 processes: {same:.1e}; masks "
+          f"drawn per process (seed + rank): {control:.1e}")  # fmt: skip
+    assert same <= EXACT and control > 1e3 * EXACT
+
+
+def test_control_without_ibots_loss_the_model_is_another(runs):
+    with_ibot, without = runs(1), runs(1, "--ibot-weight", "0")
+    error = final_files_difference(with_ibot, without)
+    centers = [load_file(run / "final" / "method.safetensors")["patch_center"]
+               for run in (with_ibot, without)]  # fmt: skip
+    print(f"dinov2 with iBOT vs --ibot-weight 0: {error:.1e}; patch centers' largest "
+          f"entries {centers[0].abs().max():.1e} / {centers[1].abs().max():.1e}")  # fmt: skip
+    assert error > 1e3 * EXACT and centers[0].abs().max() > 0
