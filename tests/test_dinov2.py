@@ -10,10 +10,11 @@ draw against DINOv2's ``MaskingGenerator``, are ``test_ibot``'s.
   and the teacher's view (``mask_input=False``) is DINO's forward.
 - Trained, every other choice at once (iBOT's own head, the Sinkhorn-Knopp centering of
   both losses, KoLeo) on 1 process and on 2 with ``--fsdp`` and gradient caching's chunks
-  (an empty one in the last batch): the same model within 1e-9 (float64). Controls: masks drawn per process
-  (seed + rank, DINOv2's per-rank ``random``, with augmentation and dropout off so that
-  nothing else differs) train another model on 2 processes; without iBOT's loss
-  (``--ibot-weight 0``) the model is another one. The patch center has moved from zero.
+  (an empty one in the last batch): the same model within 1e-9 (float64). Controls:
+  masks drawn per process (seed + rank, DINOv2's per-rank ``random``, with augmentation
+  and dropout off so that nothing else differs) train another model on 2 processes;
+  without iBOT's loss (``--ibot-weight 0``) the model is another one. The patch center
+  has moved from zero.
 """
 
 from __future__ import annotations
