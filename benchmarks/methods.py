@@ -1,8 +1,9 @@
 """The methods side by side: step time against SimCLR, the EMA update's share, the
 multi-crop loader against the model's consumption, and kNN on the digits per method.
 
-Step times are one process, ResNet-18 on the digits at the same global batch, the
-methods interleaved round by round in one process (median over rounds; each step is
+Step times are one process, ResNet-18 on the digits at the same global batch (DINOv2:
+its ``vit_micro``, ``METHOD_OPTIONS``), the methods interleaved round by round in one
+process (median over rounds; each step is
 ``cached_backward`` through the method's own embed and loss, the optimizer, and
 ``after_step``). The EMA update is timed alone on the same model. The loader rate is
 DINO's multi-crop dataset (2 global crops of 8 px, 6 local of 4 px) through a
@@ -37,19 +38,32 @@ import torch
 from benchmarks import standalone
 from benchmarks.fresh_process import in_fresh_process
 from benchmarks.lightly_methods import LIGHTLY_METHODS
+from contrastive_accelerate.config import flag
 from contrastive_accelerate.data import load_image_dataset
 from contrastive_accelerate.grad_cache import cached_backward
 from contrastive_accelerate.methods import METHODS
 from trainer import TrainConfig
 
 #: The methods that train an image encoder from unlabelled images (``pairs`` needs pairs).
-IMAGE_METHODS = ("simclr", "moco", "byol", "dino", "swav")
+IMAGE_METHODS = ("simclr", "moco", "byol", "dino", "dinov2", "swav")
+#: What a method takes besides ``--method``, in every run and step here: DINOv2 masks the
+#: patches of a ViT, the others train the README's ResNet-18.
+METHOD_OPTIONS = {"dinov2": {"model": "vit_micro"}}
+
+
+def method_flags(name: str) -> list[str]:
+    """``METHOD_OPTIONS[name]`` as command-line flags."""
+    return [part for key, value in METHOD_OPTIONS.get(name, {}).items()
+            for part in (flag(key), str(value))]  # fmt: skip
+
+
 #: An epoch past any frozen ones (DINO's last layer): the steps timed are the steady state's.
 STEADY_EPOCH = 10**9
 
 
 def _built(name: str, batch_size: int, data):
-    config = TrainConfig(method=name, batch_size=batch_size).resolved()
+    config = TrainConfig(method=name, batch_size=batch_size, **METHOD_OPTIONS.get(name, {}))
+    config = config.resolved()
     torch.manual_seed(0)
     method = METHODS[name].build(config, data, 1, lambda _: None, total_steps=1000)
     optimizer = torch.optim.SGD(method.model.parameters(), lr=0.01, momentum=0.9)
@@ -120,7 +134,7 @@ def knn_run(name: str, extra: list[str], seed: int = 0, threads: int | None = No
     """The README's first command with ``--method name --seed seed`` (under
     ``OMP_NUM_THREADS=threads`` when given): its figures, the random-init encoder's kNN
     (step 0) included."""
-    arguments = ["--method", name, "--seed", str(seed), *extra]
+    arguments = ["--method", name, *method_flags(name), "--seed", str(seed), *extra]
     result, seconds, records = standalone.readme_run(arguments, threads)
     if result.returncode != 0:
         return {"method": name, "seed": seed, "error": result.stderr[-500:]}
@@ -137,7 +151,7 @@ def knn_run(name: str, extra: list[str], seed: int = 0, threads: int | None = No
 def recipe(name: str, quick: bool) -> str:
     """A digest of what a kNN run of ``name`` trains with (its resolved options, the
     quick flag): a saved run counts for the table only while its recipe is today's."""
-    return standalone.recipe_digest(TrainConfig(method=name), quick)
+    return standalone.recipe_digest(TrainConfig(method=name, **METHOD_OPTIONS.get(name, {})), quick)
 
 
 def knn_jobs(seeds: int, methods: tuple[str, ...] = IMAGE_METHODS) -> list[tuple[str, str, int]]:
@@ -261,8 +275,10 @@ def table_lines(results: dict) -> list[str]:
                    if evaluation.get("implementation") == "lightly"
                    and evaluation["method"] == row["method"]]  # fmt: skip
         seconds = [evaluation["seconds"] for evaluation in method if "seconds" in evaluation]
+        tower = METHOD_OPTIONS.get(row["method"], {}).get("model")
         lines.append(
-            f"| `{row['method']}` | {row['step_s'] * 1e3:.0f} | {row['step_s'] / simclr:.2f}x "
+            f"| `{row['method']}`{f' (`{tower}`)' if tower else ''} | {row['step_s'] * 1e3:.0f} "
+            f"| {row['step_s'] / simclr:.2f}x "
             f"| {ema} | {_spread(method, 'knn_top1')} | {_least_gain(method, init)} "
             f"| {_spread(method, 'linear_probe_top1')} | {_spread(lightly, 'knn_top1')} "
             f"| {_least_gain(lightly, init)} | {_spread(lightly, 'linear_probe_top1')} "
