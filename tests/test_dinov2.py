@@ -49,8 +49,8 @@ def model_and_masks() -> tuple[DINOv2Model, torch.Tensor, torch.Tensor]:
     model = DINOv2Model("vit_micro", image_size=8, dino_out_dim=16).double().eval()
     with torch.no_grad():
         model.mask_token.normal_()  # zeros at first, as DINOv2's: any value is a token
-    masks = torch.zeros(3, 64, dtype=torch.bool)
-    masks[0, :10], masks[2, 30:33] = True, True
+    masks = torch.zeros(3, 16, dtype=torch.bool)  # vit_micro's 4 x 4 patches at 8 px
+    masks[0, :5], masks[2, 10:13] = True, True
     return model, torch.randn(3, 3, 8, 8, dtype=torch.float64), masks
 
 
