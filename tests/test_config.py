@@ -138,7 +138,8 @@ def test_derived_defaults_are_resolved_in_one_place():
         resolved = dataclasses.asdict(TrainConfig(loss=loss).resolved())
         left = {name for name, value in resolved.items() if value is None} - meaning_none
         # No teacher, no DINO head, no crops.
-        expected = {"teacher_momentum", "teacher_temperature", "dino_out_dim"}
+        expected = {"teacher_momentum", "teacher_temperature", "dino_out_dim", "dino_center"}
+        expected |= {"koleo_weight"}
         expected |= {"local_crops", "local_crop_size", "freeze_last_layer"}
         expected |= {"prototypes", "freeze_prototypes_steps"}  # no SwAV
         # What the loss does not read stays unset: a value there would be refused.

@@ -71,12 +71,12 @@ class DINOOptions:
         0, "dino: steps the head's last layer stays frozen (a stream has no epochs)",
         resume="apply", at_least=0,
     )  # fmt: skip
-    koleo_weight: float = option(
-        0.0, "dino: KoLeo on the student's global-crop features (DINOv2: 0.1); 0: off",
+    koleo_weight: float | None = option(
+        None, "dino: KoLeo on the student's global-crop features; none: 0 (dinov2: 0.1)",
         resume="apply", at_least=0.0,
     )  # fmt: skip
-    dino_center: str = option(
-        "global", "dino: the global mean, DINO's sum / (rows x W), DINOv2's sinkhorn",
+    dino_center: str | None = option(
+        None, "dino: global, dino (sum / (rows x W)), sinkhorn; none: global (dinov2: sinkhorn)",
         choices=CENTERINGS,
     )  # fmt: skip
 
@@ -255,6 +255,8 @@ def defaults(config) -> dict[str, Any]:
     time without the local crops' forwards."""
     digits = config.digits
     return {
+        "koleo_weight": 0.0,
+        "dino_center": "global",
         "temperature": 0.1,
         "teacher_momentum": 0.99 if digits else 0.996,
         "teacher_temperature": 0.01 if digits else 0.04,
@@ -266,13 +268,15 @@ def defaults(config) -> dict[str, Any]:
     }
 
 
-def check(config) -> None:
+def check(config, default_center: str = "global") -> None:
+    """DINO's refusals; ``default_center``: ``--dino-center`` left at None (DINOv2's)."""
     if config.freeze_last_layer and (config.streaming or config.mixed):
         raise ConfigError(
             "--freeze-last-layer counts epochs, which a stream or a mixture has not: "
             "--freeze-last-layer-steps counts steps"
         )
-    if config.dino_center == "sinkhorn" and is_set(config, "center_momentum"):
+    center = config.dino_center or default_center
+    if center == "sinkhorn" and is_set(config, "center_momentum"):
         raise ConfigError(
             "--center-momentum does not apply to --dino-center sinkhorn, which keeps no center"
         )

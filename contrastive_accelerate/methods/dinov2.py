@@ -179,8 +179,26 @@ class DINOv2Method(DINOMethod):
         self.patch_center.copy_(patch_center)
 
 
+#: DINOv2's centering of the teacher: the Sinkhorn-Knopp over the global batch.
+CENTERING = "sinkhorn"
+
+
+def defaults(config) -> dict[str, Any]:
+    """DINO's, with DINOv2's KoLeo (0.1), Sinkhorn-Knopp centering and AdamW; on the
+    digits DINO's recipe there but DINO's teacher temperature (0.04) and 45 epochs, where
+    ``vit_micro`` learns (docs/methods.md)."""
+    digits = config.digits
+    return {
+        **dino.defaults(config),
+        "koleo_weight": 0.1,
+        "dino_center": CENTERING,
+        "optimizer": "adamw",
+        **({"teacher_temperature": 0.04, "epochs": 45} if digits else {}),
+    }
+
+
 def check(config) -> None:
-    dino.check(config)
+    dino.check(config, CENTERING)
     tower = IMAGE_TOWERS[config.model]
     if image_tower_kind(config) == "scratch" and tower.patch_size is None:
         vits = [name for name, row in IMAGE_TOWERS.items() if row.patch_size is not None]
@@ -203,7 +221,7 @@ DINOV2 = MethodRow(
     image_data,
     options=(*dino.DINO.options, *DINOV2_OPTIONS),
     sections=(DINOv2Options,),
-    defaults=dino.defaults,
+    defaults=defaults,
     check=check,
     families=(Family("--method dinov2", EVERY_SOURCE, ("scratch",)),),
 )
