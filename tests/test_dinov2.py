@@ -15,9 +15,13 @@ draw against DINOv2's ``MaskingGenerator``, are ``test_ibot``'s.
   per process (seed + rank, DINOv2's per-rank ``random``, with augmentation and dropout
   off so that nothing else differs) train another model on 2 processes; without iBOT's
   loss (``--ibot-weight 0``) the model is another one.
+- Under bf16 autocast on 2 processes it trains finite, its teacher and centers float32.
 """
 
 from __future__ import annotations
+
+import json
+import math
 
 import pytest
 import torch
@@ -29,7 +33,7 @@ from losses.ibot import masked_rows
 from models import DINOv2Model
 from trainer import TrainConfig
 
-from launch import TrainerRuns, final_files_difference
+from launch import TrainerRuns, final_files_difference, train_pooled
 
 EXACT = 1e-9  # float64: only the summation order differs between the world sizes
 COMMON = ["--dtype", "float64", "--batch-size", "6", "--max-steps", "4", "--knn-k", "0",
@@ -112,3 +116,19 @@ def test_control_without_ibots_loss_the_model_is_another(runs):
     error = final_files_difference(runs(1), runs(1, "--ibot-weight", "0"))
     print(f"dinov2 with iBOT vs --ibot-weight 0: {error:.1e}")
     assert error > 1e3 * EXACT
+
+
+def test_under_bf16_it_trains_finite_with_its_teacher_and_centers_in_float32(tmp_path):
+    """``--mixed_precision bf16`` on 2 processes, the EMA centers in use: the loss is
+    finite, and the weights, the teacher and both centers stay float32."""
+    train_pooled(2, "--method", "dinov2", "--model", "vit_micro", "--image-size", "8",
+                 "--batch-size", "8", "--max-steps", "3", "--knn-k", "0", "--num-workers", "0",
+                 "--dino-center", "global", "--log-every", "1", "--output-dir", str(tmp_path),
+                 environment={"ACCELERATE_MIXED_PRECISION": "bf16"})  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [record["loss"] for record in records if "samples_per_s" in record]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    for name in ("model.safetensors", "method.safetensors"):
+        tensors = load_file(tmp_path / "final" / name)
+        assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.float32}
+    assert load_file(tmp_path / "final" / "method.safetensors")["patch_center"].abs().max() > 0

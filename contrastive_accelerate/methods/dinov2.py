@@ -1,6 +1,6 @@
 """DINOv2's objective (Oquab et al., 2024): DINO's loss on the global and local crops,
 iBOT's masked-patch loss (Zhou et al., 2022) on the patch tokens of the global crops,
-with DINO's KoLeo and Sinkhorn-Knopp centering as options, on a ViT of ours."""
+KoLeo and the Sinkhorn-Knopp centering (its defaults; DINO's options), on a ViT of ours."""
 
 from __future__ import annotations
 
@@ -55,10 +55,11 @@ class DINOv2Method(DINOMethod):
     ``random``; the loader draws and counts them (``data.MultiCrop``'s ``masking``). The
     student sees the masked patches as the mask token, the teacher sees the crop whole;
     the student's iBOT head on each masked patch is trained towards the teacher's,
-    centred by an EMA of the mean over every rank's masked patches (or by the
-    Sinkhorn-Knopp over them all) and sharpened, each image's patches averaged, then the
-    global batch's images (``losses.IBOTPatchLoss``). With ``--augmentation-seeding
-    per-process`` the masks are drawn from the process's RNG, seed + rank (the control).
+    centred by the Sinkhorn-Knopp over every rank's masked patches (DINOv2's default) or
+    by an EMA of their mean (``--dino-center global``) and sharpened, each image's
+    patches averaged, then the global batch's images (``losses.IBOTPatchLoss``). With
+    ``--augmentation-seeding per-process`` the masks are drawn from the process's RNG,
+    seed + rank (the control).
     """
 
     model_class = DINOv2Model
@@ -155,11 +156,12 @@ class DINOv2Method(DINOMethod):
         patches, self._teacher_patches = self._teacher_patches, None
         if self.center_formula == "sinkhorn":
             return
-        with torch.no_grad():
+        with torch.no_grad():  # in the center's float32 (or float64), whatever autocast gave
+            patches = patches.to(self.patch_center.dtype)
             summed = torch.cat([patches.sum(dim=0), patches.new_full((1,), len(patches))])
             if is_distributed():
                 summed = collectives.all_reduce(summed)
-            total, count = summed[:-1].to(self.patch_center.dtype), summed[-1]
+            total, count = summed[:-1], summed[-1]
             momentum = self.center_momentum
             updated = momentum * self.patch_center + (1 - momentum) * total / count.clamp(min=1)
             self.patch_center.copy_(torch.where(count > 0, updated, self.patch_center))
