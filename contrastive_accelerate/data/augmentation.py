@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -381,23 +382,23 @@ class MultiCropBatch(NamedTuple):
 
     def split(self, chunks: int) -> list[MultiCropBatch]:
         """``chunks`` pieces along the samples (see ``TwoViewBatch.split``)."""
-        pieces = zip(
-            self.global_crops.tensor_split(chunks, dim=1),
-            self.local_crops.tensor_split(chunks, dim=1),
-            self.indices.tensor_split(chunks),
-            strict=True,
-        )
-        ends = [0]
-        for piece in range(chunks):  # tensor_split's: the first n % chunks one sample larger
-            ends.append(
-                ends[-1] + len(self.indices) // chunks + (piece < len(self.indices) % chunks)
-            )
+        indices = self.indices.tensor_split(chunks)
+        ends = list(accumulate((len(piece) for piece in indices), initial=0))
         return [
             MultiCropBatch(
-                *piece,
+                global_crops,
+                local_crops,
+                piece,
                 [],
                 None if self.masks is None else self.masks[:, start:end],
                 tuple(counts[start:end] for counts in self.masked),
-            )  # fmt: skip
-            for piece, start, end in zip(pieces, ends[:-1], ends[1:], strict=True)
+            )
+            for global_crops, local_crops, piece, start, end in zip(
+                self.global_crops.tensor_split(chunks, dim=1),
+                self.local_crops.tensor_split(chunks, dim=1),
+                indices,
+                ends[:-1],
+                ends[1:],
+                strict=True,
+            )
         ]
