@@ -39,6 +39,7 @@ from contrastive_accelerate.methods.multicrop import (
 from losses.distillation import DISTANCES, DistillationLoss
 from models.distill import DistillStudent
 from models.frozen_tower import FrozenTowerError, load_frozen_tower
+from models.towers import IMAGE_TOWERS, image_tower_kind
 
 
 @dataclass
@@ -136,8 +137,12 @@ def check(config) -> None:
 
 def defaults(config) -> dict[str, Any]:
     """Each crop through teacher and student: no local crops unless asked for, of
-    multi-crop's size when they are."""
-    return {**crop_defaults(config), "local_crops": 0}
+    multi-crop's size when they are. A ViT student from scratch trains with AdamW, as
+    ViTs do (DeiT, DINO): on the digits SGD left ``vit_micro`` at its random init (kNN
+    54.4% and 50.3% from 51.7% and 51.1%, seeds 0 and 1), AdamW took it to 74% in 400
+    steps."""
+    vit = image_tower_kind(config) == "scratch" and IMAGE_TOWERS[config.model].patch_size
+    return {**crop_defaults(config), "local_crops": 0, **({"optimizer": "adamw"} if vit else {})}
 
 
 #: What only distillation reads.
