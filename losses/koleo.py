@@ -61,5 +61,7 @@ class KoLeoLoss(nn.Module):
         if not len(z):  # an idle rank
             return own
         similarity = z @ every.T
-        similarity[own, own + offset] = -torch.inf
+        # Each row's own column, (i, i + offset): a diagonal, filled without the host
+        # tensor that an indexed assignment of a Python number makes.
+        similarity.diagonal(offset).fill_(-torch.inf)
         return similarity.argmax(dim=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from contrastive_accelerate.collectives import all_gather_sizes, is_distributed
+from contrastive_accelerate.collectives import is_distributed
 from losses.precision import autocast_off, compute_dtype
 
 
@@ -26,8 +26,9 @@ def sinkhorn_knopp(
         Q <- Q / sum(Q);  repeat: Q_k. <- Q_k. / (K sum_i Q_ki);  Q_.i <- Q_.i / (N sum_k Q_ki)
 
     and returned as N Q: each sample's row sums to 1. The sums over samples are
-    all-reduced, and N is the sum of every rank's rows (``sizes``, exchanged if not
-    given): the peers' ``B = local rows * W`` is the global batch only for equal shares.
+    all-reduced, and N is the sum of every rank's rows (``sizes``, or all-reduced on the
+    device if not given): the peers' ``B = local rows * W`` is the global batch only for
+    equal shares.
     The scores are shifted by their global maximum first, a factor that cancels, so that
     ``exp`` cannot overflow. Without gradient, in float32 at least.
 
@@ -42,8 +43,6 @@ def sinkhorn_knopp(
             f"sinkhorn_knopp: temperature > 0 and iterations >= 1, got {temperature}, {iterations}"
         )
     distributed = gather_distributed and is_distributed()
-    if sizes is None:
-        sizes = all_gather_sizes(scores)[0] if distributed else [len(scores)]
 
     def summed(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if distributed:
@@ -52,11 +51,14 @@ def sinkhorn_knopp(
 
     with torch.no_grad(), autocast_off(scores.device):
         scores = scores.to(compute_dtype(scores))
-        top = scores.max() if len(scores) else scores.new_tensor(-torch.inf)
+        top = scores.max() if len(scores) else scores.new_full((), -torch.inf)
         logits = (scores - summed(top, dist.ReduceOp.MAX)) / temperature
         q = logits.exp().T  # (K, n)
         q /= summed(q.sum())
-        prototypes, samples = q.shape[0], sum(sizes)
+        prototypes = q.shape[0]
+        # N: every rank's rows, counted on the device where the caller does not know them,
+        # so the host reads nothing.
+        samples = sum(sizes) if sizes is not None else summed(scores.new_full((), len(scores)))
         for _ in range(iterations):
             q /= summed(q.sum(dim=1, keepdim=True)) * prototypes
             q /= q.sum(dim=0, keepdim=True) * samples

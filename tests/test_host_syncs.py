@@ -58,8 +58,11 @@ def _config(name: str, model: str, chunks: int, teacher: str | None) -> TrainCon
         return TrainConfig(loss=name, **shared).resolved()
     # Queues pushed and wrapped every step (SwAV's full after the first, so used in the
     # second, the step counted).
+    # DINOv2's AdamW reads its step counters on the host, where torch keeps them on any
+    # device (not capturable): a read this CPU-only count cannot tell from the device's.
     own = {"moco": {"queue_size": 10}, "swav": {"queue_size": 5},
-           "distill": {"distill_teacher": teacher}}.get(name, {})  # fmt: skip
+           "distill": {"distill_teacher": teacher}, "dinov2": {"optimizer": "sgd"},
+           }.get(name, {})  # fmt: skip
     return TrainConfig(method=name, **own, **shared).resolved()
 
 
