@@ -398,6 +398,12 @@ IMAGE_TOWER_KINDS = {
 }
 
 
+def scratch_tower(config) -> ImageTower | None:
+    """The row of ``IMAGE_TOWERS`` that the options train, where they name a tower from
+    scratch; None for a pretrained one."""
+    return IMAGE_TOWERS[config.model] if image_tower_kind(config) == "scratch" else None
+
+
 def image_tower_kind(config) -> str:
     """The kind of image tower the options name: the first pretrained kind whose option
     is set (a whole checkpoint first), else the tower from scratch."""

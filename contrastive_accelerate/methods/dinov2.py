@@ -24,7 +24,7 @@ from contrastive_accelerate.methods.multicrop import crop_outputs, embed_crops
 from losses import IBOTPatchLoss
 from losses.sinkhorn import sinkhorn_knopp
 from models import DINOv2Model
-from models.towers import IMAGE_TOWERS, image_tower_kind
+from models.towers import IMAGE_TOWERS, scratch_tower
 
 
 @dataclass
@@ -201,8 +201,8 @@ def defaults(config) -> dict[str, Any]:
 
 def check(config) -> None:
     dino.check(config, CENTERING)
-    tower = IMAGE_TOWERS[config.model]
-    if image_tower_kind(config) == "scratch" and tower.patch_size is None:
+    tower = scratch_tower(config)
+    if tower is not None and tower.patch_size is None:
         vits = [name for name, row in IMAGE_TOWERS.items() if row.patch_size is not None]
         raise ConfigError(
             f"--method dinov2 masks the patches of a ViT: --model {', '.join(vits)}, "

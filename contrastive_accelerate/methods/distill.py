@@ -39,7 +39,7 @@ from contrastive_accelerate.methods.multicrop import (
 from losses.distillation import DISTANCES, DistillationLoss
 from models.distill import DistillStudent
 from models.frozen_tower import FrozenTowerError, load_frozen_tower
-from models.towers import IMAGE_TOWERS, image_tower_kind
+from models.towers import scratch_tower
 
 
 @dataclass
@@ -141,7 +141,8 @@ def defaults(config) -> dict[str, Any]:
     ViTs do (DeiT, DINO): on the digits SGD left ``vit_micro`` at its random init (kNN
     54.4% and 50.3% from 51.7% and 51.1%, seeds 0 and 1), AdamW took it to 74% in 400
     steps."""
-    vit = image_tower_kind(config) == "scratch" and IMAGE_TOWERS[config.model].patch_size
+    tower = scratch_tower(config)
+    vit = tower is not None and tower.patch_size is not None
     return {**crop_defaults(config), "local_crops": 0, **({"optimizer": "adamw"} if vit else {})}
 
 

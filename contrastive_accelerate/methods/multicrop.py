@@ -18,7 +18,7 @@ from contrastive_accelerate.data.mixture import Mixture
 from contrastive_accelerate.data.sources import ImageData
 from contrastive_accelerate.methods.base import augmentation_options
 from models import sample_keys, sample_randomness
-from models.towers import IMAGE_TOWERS, image_tower_kind
+from models.towers import scratch_tower
 
 
 @dataclass
@@ -110,12 +110,13 @@ def any_input_size(config) -> bool:
     ``--timm-model``: a ViT interpolates its position embeddings, a convolutional network
     takes any size; one that cannot embed ``--local-crop-size`` is refused where it
     loads, by its probe)."""
-    return image_tower_kind(config) != "scratch" or IMAGE_TOWERS[config.model].any_input_size
+    tower = scratch_tower(config)
+    return tower is None or tower.any_input_size
 
 
 def check_crops(config) -> None:
     """Local crops that the tower cannot take, or larger than the global ones."""
-    tower = IMAGE_TOWERS[config.model] if image_tower_kind(config) == "scratch" else None
+    tower = scratch_tower(config)
     if config.local_crops and tower is not None and not tower.any_input_size:
         raise ConfigError(
             f"--local-crops: {config.model} takes one input size; use a resnet or a vit"
