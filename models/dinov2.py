@@ -11,7 +11,8 @@ from models.dino import DINOHead, DINOModel
 
 
 class DINOv2Model(DINOModel):
-    """DINO's model on a ViT of ours (``models.towers.MultiResolutionViT``) that also
+    """DINO's model on a ViT (ours, ``models.towers.MultiResolutionViT``, or a pretrained
+    ``transformers`` or timm one: any tower with ``tokens`` and a ``patch_size``) that also
     returns iBOT's logits of the masked patches: the mask token (zeros at first, as
     DINOv2's) replaces their embeddings in the student's input, and iBOT's head is DINO's
     own (DINOv2's default) or, with ``separate_ibot_head``, another of the same shape.
@@ -41,14 +42,26 @@ class DINOv2Model(DINOModel):
             backbone, image_size, in_channels, projection_hidden_dim, projection_dim,
             dino_out_dim, dropout, drop_path, encoder, class_features,
         )  # fmt: skip
-        if not hasattr(self.encoder, "tokens"):
-            raise ValueError(f"DINOv2 masks the patches of a ViT; {backbone} has none")
+        if getattr(self.encoder, "patch_size", None) is None:  # no ViT: a ResNet, a ConvNeXt
+            inner = getattr(encoder, "encoder", encoder)  # a pretrained tower's library model
+            tower = backbone if encoder is None else type(inner).__name__
+            raise ValueError(f"DINOv2 masks the patches of a ViT; {tower} has none")
         self.mask_token = nn.Parameter(torch.zeros(self.feature_dim))
         self.ibot_head = (
             DINOHead(self.feature_dim, dino_out_dim, projection_hidden_dim, projection_dim)
             if separate_ibot_head
             else None
         )
+
+    def patch_grid(self, image_size: int) -> int:
+        """The side of the tower's grid of patches at ``image_size`` (what a mask covers)."""
+        patch = self.encoder.patch_size
+        if image_size % patch:
+            raise ValueError(
+                f"DINOv2 masks whole patches: --image-size {image_size} is not a multiple of "
+                f"the tower's patch size {patch}"
+            )
+        return image_size // patch
 
     def forward(
         self,

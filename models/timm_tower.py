@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from contrastive_accelerate.untrusted import read_json
-from models.dropout import sample_randomness
 from models.lora import is_adapted
 from models.sync_batchnorm import has_batch_statistics
-from models.vision import DATA_MEAN, DATA_STD
+from models.towers import mask_patches
+from models.vision import DATA_MEAN, DATA_STD, on_one_blank_image
 
 #: What a weights file may be: safetensors (nothing in it runs on reading).
 SAFE_WEIGHTS = ".safetensors"
@@ -71,16 +71,58 @@ class TimmTower(nn.Module):
         if "img_size" in self.model_args:
             size = self.model_args["img_size"]
             return int(size if isinstance(size, int) else size[-1])
-        model = self.encoder.get_base_model() if is_adapted(self.encoder) else self.encoder
-        return int(getattr(model, "pretrained_cfg", {}).get("input_size", (3, 224, 224))[-1])
+        configured = getattr(self._model(), "pretrained_cfg", {})
+        return int(configured.get("input_size", (3, 224, 224))[-1])
+
+    @property
+    def patch_size(self) -> int | None:
+        """The side of its patches in pixels for a ViT-like model (patch tokens after
+        ``num_prefix_tokens`` class and register tokens: what ``tokens`` takes); None for
+        another."""
+        model = self._model()
+        if not hasattr(model, "num_prefix_tokens") or not hasattr(model, "patch_embed"):
+            return None
+        return int(model.patch_embed.patch_size[0])
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if len(images) == 0 and not has_batch_statistics(self):
-            # An idle rank: DDP needs every parameter in this rank's graph, and a ViT cannot
-            # run no rows. One image, kept none (a tower with BatchNorm runs its no rows).
-            with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
-                return self(images.new_zeros((1, *images.shape[1:])))[:0]
-        return self.encoder(images * self.scale.to(images.dtype) + self.shift.to(images.dtype))
+            return on_one_blank_image(self, images)
+        return self.encoder(self._normalised(images))
+
+    def tokens(
+        self,
+        images: torch.Tensor,
+        masks: torch.Tensor | None = None,
+        mask_token: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(n, 1 + patches, width)``: the tower's features (``forward``'s: timm's
+        ``forward_head`` of its ``forward_features``), then each patch's token. With
+        ``masks`` (``(n, patches)`` boolean) the masked patches' embeddings are
+        ``mask_token`` (``models.towers.mask_patches``) as its ``patch_embed`` gives them,
+        before its position embeddings (DINOv2's student)."""
+        if len(images) == 0 and not has_batch_statistics(self):
+            return on_one_blank_image(self.tokens, images, masks, mask_token=mask_token)
+        model, hook = self._model(), None
+        if masks is not None:  # channels last on a grid where it takes any size, else (n, P, C)
+            hook = model.patch_embed.register_forward_hook(
+                lambda module, inputs, patches: mask_patches(
+                    patches, masks, mask_token, "NHWC" if patches.dim() == 4 else "NLC"
+                )
+            )
+        try:
+            tokens = model.forward_features(self._normalised(images))
+        finally:
+            if hook is not None:
+                hook.remove()
+        features = model.forward_head(tokens, pre_logits=True)
+        return torch.cat([features.unsqueeze(1), tokens[:, model.num_prefix_tokens :]], dim=1)
+
+    def _normalised(self, images: torch.Tensor) -> torch.Tensor:
+        return images * self.scale.to(images.dtype) + self.shift.to(images.dtype)
+
+    def _model(self) -> nn.Module:
+        """The timm model (an adapted one's base model, whose layers hold the adapter)."""
+        return self.encoder.get_base_model() if is_adapted(self.encoder) else self.encoder
 
 
 def load_timm_tower(

@@ -183,8 +183,7 @@ class MultiResolutionViT(torchvision.models.VisionTransformer):
         """``(n, 1 + patches, hidden)``: the class token's and every patch's last hidden
         state, layer-normed. With ``masks`` (``(n, patches)`` boolean) the masked patches'
         embeddings are ``mask_token`` (``(hidden,)``) before the position embeddings are
-        added, as iBOT's and DINOv2's student sees them; ``torch.where`` keeps the token in
-        the graph when no patch is masked (DDP expects a gradient for it)."""
+        added (``mask_patches``)."""
         n, _, height, width = x.shape
         if height != width or height % self.patch_size:
             raise ValueError(
@@ -193,7 +192,7 @@ class MultiResolutionViT(torchvision.models.VisionTransformer):
             )
         patches = self.conv_proj(x).flatten(2).transpose(1, 2)
         if masks is not None:
-            patches = torch.where(masks.unsqueeze(-1), mask_token.to(patches.dtype), patches)
+            patches = mask_patches(patches, masks, mask_token)
         x = torch.cat([self.class_token.expand(n, -1, -1), patches], dim=1)
         x = x + self.position_embedding(height // self.patch_size)
         encoder = self.encoder
@@ -212,6 +211,21 @@ class MultiResolutionViT(torchvision.models.VisionTransformer):
         patches = F.interpolate(patches, scale_factor=(scale, scale), mode="bicubic")
         patches = patches.permute(0, 2, 3, 1).reshape(1, grid * grid, -1)
         return torch.cat([embedding[:, :1], patches], dim=1)
+
+
+def mask_patches(
+    patches: torch.Tensor, masks: torch.Tensor, mask_token: torch.Tensor, layout: str = "NLC"
+) -> torch.Tensor:
+    """``patches``' embeddings with each one that ``masks`` (``(n, P)`` boolean, row-major
+    over the grid) marks replaced by ``mask_token`` (``(C,)``), as iBOT's and DINOv2's
+    student sees them. ``layout`` is timm's name of the embeddings' shape: ``NLC`` (a
+    ViT's patch tokens), ``NCHW`` (a convolution's output) or ``NHWC``. ``torch.where``
+    keeps the token in the graph when no patch is masked (DDP expects a gradient for it)."""
+    if layout == "NCHW":
+        masks, mask_token = masks.view(len(masks), 1, *patches.shape[2:]), mask_token[:, None, None]
+    else:
+        masks = masks.view(*patches.shape[:-1], 1)
+    return torch.where(masks, mask_token.to(patches.dtype), patches)
 
 
 class _StochasticDepthBlock(nn.Module):

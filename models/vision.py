@@ -21,7 +21,7 @@ from models.dropout import sample_randomness
 from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 from models.sync_batchnorm import has_batch_statistics
-from models.towers import IMAGE_POOLINGS
+from models.towers import IMAGE_POOLINGS, mask_patches
 
 #: The data's normalisation (``contrastive_accelerate.data.NORMALIZE``): pixels in [-1, 1].
 DATA_MEAN, DATA_STD = 0.5, 0.5
@@ -112,15 +112,61 @@ class VisionTower(nn.Module):
             return sizes[-1]
         return getattr(config, "hidden_size", None) or config.vision_config.hidden_size
 
+    @property
+    def patch_size(self) -> int | None:
+        """The side of its patches in pixels for a model of patch tokens (a ViT: what
+        ``tokens`` takes); None for another (a convolutional model)."""
+        config = self.encoder.config
+        if getattr(config, "hidden_sizes", None) or _patch_embedding(self.encoder) is None:
+            return None
+        size = getattr(config, "patch_size", None)
+        return size if isinstance(size, int) or size is None else int(size[0])
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if len(images) == 0 and not has_batch_statistics(self):
-            # An idle rank: DDP needs every parameter in this rank's graph, and a ViT cannot
-            # run no rows. One image, kept none (a tower with BatchNorm runs its no rows).
-            with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
-                return self(images.new_zeros((1, *images.shape[1:])))[:0]
+            return on_one_blank_image(self, images)
+        return self._pooled(self._encoded(images), images)
+
+    def tokens(
+        self,
+        images: torch.Tensor,
+        masks: torch.Tensor | None = None,
+        mask_token: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(n, 1 + patches, hidden)``: the tower's features (``forward``'s), then each
+        patch's last hidden state. With ``masks`` (``(n, patches)`` boolean) the masked
+        patches' embeddings are ``mask_token`` (``models.towers.mask_patches``) as the
+        model's patch embedding gives them, before its position embeddings, as
+        ``MultiResolutionViT.tokens`` does (DINOv2's student)."""
+        if len(images) == 0 and not has_batch_statistics(self):
+            return on_one_blank_image(self.tokens, images, masks, mask_token=mask_token)
+        hook = None
+        if masks is not None:  # a convolution's (n, C, h, w) (CLIP, SigLIP) or (n, P, C)
+            hook = _patch_embedding(self.encoder).register_forward_hook(
+                lambda module, inputs, patches: mask_patches(
+                    patches, masks, mask_token, "NCHW" if patches.dim() == 4 else "NLC"
+                )
+            )
+        try:
+            output = self._encoded(images)
+        finally:
+            if hook is not None:
+                hook.remove()
+        patches = output.last_hidden_state[:, -self._patches(images) :]
+        return torch.cat([self._pooled(output, images).unsqueeze(1), patches], dim=1)
+
+    def _encoded(self, images: torch.Tensor):
         pixels = images * self.scale.to(images.dtype) + self.shift.to(images.dtype)
         extra = {"interpolate_pos_encoding": True} if self.interpolates else {}
-        output = self.encoder(pixel_values=pixels, **extra)
+        return self.encoder(pixel_values=pixels, **extra)
+
+    def _patches(self, images: torch.Tensor) -> int:
+        """The number of patch tokens, the last ones of its hidden states (after its class
+        and register tokens, where it has them)."""
+        patch = self.encoder.config.patch_size
+        return (images.shape[-2] // patch) * (images.shape[-1] // patch)
+
+    def _pooled(self, output, images: torch.Tensor) -> torch.Tensor:
         if self.pooling == "pooled":
             if getattr(output, "pooler_output", None) is None:
                 raise VisionError(
@@ -131,9 +177,30 @@ class VisionTower(nn.Module):
         hidden = output.last_hidden_state
         if self.pooling == "cls":
             return hidden[:, 0]
-        patch = self.encoder.config.patch_size
-        patches = (images.shape[-2] // patch) * (images.shape[-1] // patch)
-        return hidden[:, hidden.shape[1] - patches :].mean(dim=1)
+        return hidden[:, -self._patches(images) :].mean(dim=1)
+
+
+#: The names transformers gives a ViT's patch embedding: ``ViTPatchEmbeddings`` (ViT,
+#: DINOv2), the convolution of CLIP's and SigLIP's vision towers.
+PATCH_EMBEDDINGS = ("patch_embeddings", "patch_embedding")
+
+
+def _patch_embedding(encoder: nn.Module) -> nn.Module | None:
+    return next((module for name, module in encoder.named_modules()
+                 if name.rpartition(".")[2] in PATCH_EMBEDDINGS), None)  # fmt: skip
+
+
+def on_one_blank_image(
+    function: Callable[..., torch.Tensor], images: torch.Tensor, *per_image: torch.Tensor | None,
+    **others,
+) -> torch.Tensor:  # fmt: skip
+    """``function``'s output on no rows of ``images`` (an idle rank's): DDP needs every
+    parameter in this rank's graph, and a ViT cannot run no rows, so it runs one black
+    image (and one row of zeros of each of ``per_image``, a None kept), kept none. A
+    tower with BatchNorm runs its no rows instead (its statistics would count the image)."""
+    blank = [None if rows is None else rows.new_zeros((1, *rows.shape[1:])) for rows in per_image]
+    with sample_randomness(torch.zeros(1, dtype=torch.int64, device=images.device)):
+        return function(images.new_zeros((1, *images.shape[1:])), *blank, **others)[:0]
 
 
 class PretrainedImageModel(nn.Module):

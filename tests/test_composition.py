@@ -62,7 +62,19 @@ FAMILY_FLAGS = {
     "--method moco": [*IMAGES, "--method", "moco", "--queue-size", "10"],
     "--method byol": [*IMAGES, "--method", "byol"],
     "--method dino": [*IMAGES, "--method", "dino", "--dino-out-dim", "64"],
-    "--method dinov2": [*IMAGES, "--method", "dinov2", "--dino-out-dim", "64"],
+    # AdamW (DINOv2's) at its own default lr: each step moves every weight by about lr,
+    # whatever the gradient's size, and so does the float32 rounding inside timm's
+    # position embedding resample (local crops) of each rank's part of a gradient.
+    "--method dinov2": [
+        "--image-size",
+        "8",
+        "--lr",
+        "1e-3",
+        "--method",
+        "dinov2",
+        "--dino-out-dim",
+        "64",
+    ],  # fmt: skip
     "--method swav": [
         *IMAGES,
         "--method",
@@ -258,9 +270,11 @@ def test_a_mid_stream_checkpoint_of_two_processes_resumes_on_three(runs, data, m
 
 
 #: The methods that read images alone (their data are ``image_data``'s) on the pretrained
-#: towers (DINOv2 masks the patches of our own ViTs only).
+#: towers.
 IMAGE_METHODS = [name for name, row in METHODS.items() if row.load is image_data
                  and {"transformers", "timm"} <= set(row.families[0].towers)]  # fmt: skip
+#: Those that train a convolutional tower too (DINOv2 masks a ViT's patches).
+CONVOLUTIONAL_METHODS = [method for method in IMAGE_METHODS if method != "dinov2"]
 
 
 def pretrained_cell(method: str, tower: str) -> Cell:
@@ -319,7 +333,7 @@ def test_a_pretrained_image_tower_is_exported_in_its_own_format(runs, data, meth
     assert error == 0.0
 
 
-@pytest.mark.parametrize("method", IMAGE_METHODS)
+@pytest.mark.parametrize("method", CONVOLUTIONAL_METHODS)
 def test_a_timm_resnet_with_batchnorm_trains_alike_with_its_statistics_synchronised(
     runs, data, method
 ):

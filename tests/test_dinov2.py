@@ -8,6 +8,9 @@ draw against DINOv2's ``MaskingGenerator``, are ``test_ibot``'s.
   loader counts them); with no patch masked the student's outputs are DINO's; a masked patch's
   embedding is the mask token (the class output moves, the mask token gets a gradient),
   and the teacher's view (``mask_input=False``) is DINO's forward.
+- Pretrained ViTs (transformers' and CLIP's, timm's at its size and at any size): a
+  masked patch's pixels reach nothing, the mask token sits where transformers' own
+  ``bool_masked_pos`` puts it (the peer), and a tower without patches is refused.
 - Trained, the choices that the composition matrix leaves aside (iBOT's own head, DINO's
   EMA center and the patch center beside it, no KoLeo) on 1 process and on 2 with
   ``--fsdp`` and gradient caching's chunks (an empty one in the last batch): the same
@@ -31,6 +34,8 @@ from contrastive_accelerate.config import ConfigError, parse_args
 from contrastive_accelerate.testing import HostSyncs
 from losses.ibot import masked_rows
 from models import DINOv2Model
+from models.timm_tower import TimmTower
+from models.vision import VisionTower
 from trainer import TrainConfig
 
 from launch import TrainerRuns, final_files_difference, train_pooled
@@ -80,6 +85,84 @@ def test_the_student_sees_the_mask_token_and_the_teacher_the_whole_crop():
     assert torch.equal(teacher, dino)
     (classes.sum() + patches.sum()).backward()
     assert model.mask_token.grad.abs().sum() > 0
+
+
+def pretrained_vit(kind: str) -> torch.nn.Module:
+    """A tiny pretrained ViT tower (random weights, float64, eval) of each layout its patch
+    embedding gives: transformers' ViT (tokens, NLC), CLIP's vision tower (a convolution's
+    NCHW), timm's ViT at its own size (NLC) and taking any size (NHWC)."""
+    torch.manual_seed(0)
+    sizes = {"image_size": 8, "patch_size": 4, "hidden_size": 16, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
+    if kind.startswith("timm"):
+        import timm
+
+        arguments = {"img_size": 8, "patch_size": 4, "depth": 2, "embed_dim": 16,
+                     "num_heads": 2, "dynamic_img_size": kind == "timm any size"}  # fmt: skip
+        encoder = timm.create_model("vit_tiny_patch16_224", num_classes=0, **arguments)
+        return TimmTower(encoder, "vit_tiny_patch16_224", arguments).double().eval()
+    from transformers import CLIPVisionConfig, CLIPVisionModel, ViTConfig, ViTModel
+
+    encoder = (
+        ViTModel(ViTConfig(**sizes), use_mask_token=True)
+        if kind == "transformers"
+        else CLIPVisionModel(CLIPVisionConfig(**sizes))
+    )
+    return VisionTower(encoder, "pooled").double().eval()
+
+
+PRETRAINED_VITS = ["transformers", "clip", "timm", "timm any size"]
+
+
+@pytest.mark.parametrize("kind", PRETRAINED_VITS)
+def test_a_pretrained_vits_masked_patches_reach_nothing_but_through_the_mask_token(kind):
+    """Masked, a patch's pixels change nothing (its embedding is the mask token wherever
+    the library's patch embedding puts the patch: rows of a grid, a convolution's map or
+    timm's channels-last one); an unmasked patch's change moves the output; the first
+    token is the tower's own features, and no mask is no change."""
+    tower = pretrained_vit(kind)
+    images = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    token = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    masks = torch.tensor([[True, False, False, True], [False] * 4, [False, True, False, False]])
+    tokens = tower.tokens(images, masks, token)
+    assert tokens.shape == (3, 5, 16)
+    assert torch.equal(tower.tokens(images)[:, 0], tower(images))
+    assert torch.equal(tower.tokens(images, torch.zeros_like(masks), token), tower.tokens(images))
+    hidden = images.clone()
+    hidden[0, :, :4, :4], hidden[0, :, 4:, 4:], hidden[2, :, :4, 4:] = 7.0, -7.0, 3.0
+    assert torch.equal(tower.tokens(hidden, masks, token), tokens)
+    shown = images.clone()
+    shown[1, :, :4, :4] = 7.0  # sample 1 has no patch masked
+    assert (tower.tokens(shown, masks, token)[1] - tokens[1]).abs().max() > 1e-3
+    tokens.sum().backward()
+    assert token.grad.abs().sum() > 0
+
+
+def test_the_mask_token_goes_where_transformers_own_masking_puts_it():
+    """Against the peer: ``ViTModel``'s ``bool_masked_pos`` with our token as its
+    ``mask_token``. Float64, the same operations in the same order: equal within 1e-12
+    (0.0 reached)."""
+    tower = pretrained_vit("transformers")
+    images = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    masks = torch.tensor([[True, False, False, True], [False] * 4, [False, True, True, True]])
+    token = torch.randn(16, dtype=torch.float64)
+    with torch.no_grad():
+        tower.encoder.embeddings.mask_token.copy_(token)
+        theirs = tower.encoder(pixel_values=images, bool_masked_pos=masks).last_hidden_state
+        ours = tower.tokens(
+            images, masks, token
+        )  # the tower's mean and std are 0.5: pixels as given
+    error = (ours[:, 1:] - theirs[:, 1:]).abs().max().item()
+    print(f"masked patch tokens vs transformers' bool_masked_pos: {error:.1e}")
+    assert error <= 1e-12
+
+
+def test_a_pretrained_tower_without_patches_is_refused():
+    from transformers import ResNetConfig, ResNetModel
+
+    tower = VisionTower(ResNetModel(ResNetConfig(hidden_sizes=[8, 16], depths=[1, 1])), "pooled")
+    with pytest.raises(ValueError, match="DINOv2 masks the patches of a ViT; ResNetModel has none"):
+        DINOv2Model(encoder=tower, image_size=8, dino_out_dim=16)
 
 
 def test_bad_choices_are_refused_in_one_line(image_folder):

@@ -115,7 +115,6 @@ class DINOMethod(TeacherMethod):
         self.center_formula, self.gather = config.dino_center, config.gather
         self.freeze_last_layer = config.freeze_last_layer
         self.freeze_last_layer_steps = config.freeze_last_layer_steps
-        self.dataset = multicrop_dataset(config, data, self.patch_masking(config))
         _, hidden, bottleneck = SIMCLR_HEAD
         self.koleo_weight = config.koleo_weight
         self.model = image_model(
@@ -124,6 +123,7 @@ class DINOMethod(TeacherMethod):
             other_size=config.local_crop_size if config.local_crops else None,
             class_features=config.koleo_weight > 0, **self.heads(config),
         )  # fmt: skip
+        self.dataset = multicrop_dataset(config, data, self.patch_masking(config))
         # What precedes the logits in the model's outputs: its class features, or nothing.
         self.features = self.model.feature_dim if config.koleo_weight else 0
         self.koleo = KoLeoLoss(gather_distributed=config.gather)
@@ -140,7 +140,8 @@ class DINOMethod(TeacherMethod):
         return {}
 
     def patch_masking(self, config) -> PatchMasking | None:
-        """How the loader masks the global crops' patches; None: it does not."""
+        """How the loader masks the global crops' patches (``self.model``'s); None: it
+        does not."""
         return None
 
     def embed(self, model: nn.Module, chunk: MultiCropBatch, step: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ class DINOv2Method(DINOMethod):
         return {"separate_ibot_head": config.separate_ibot_head}
 
     def patch_masking(self, config) -> PatchMasking:
-        grid = config.image_size // IMAGE_TOWERS[config.model].patch_size(config.image_size)
+        grid = self.model.patch_grid(config.image_size)
         return PatchMasking(
             (grid, grid), config.mask_probability, (config.mask_ratio_min, config.mask_ratio_max)
         )
@@ -225,5 +225,5 @@ DINOV2 = MethodRow(
     sections=(DINOv2Options,),
     defaults=defaults,
     check=check,
-    families=(Family("--method dinov2", EVERY_SOURCE, ("scratch",)),),
+    families=(Family("--method dinov2", EVERY_SOURCE, ("scratch", "transformers", "timm")),),
 )
