@@ -1,6 +1,7 @@
 """DINOv2's objective (Oquab et al., 2024): DINO's loss on the global and local crops,
 iBOT's masked-patch loss (Zhou et al., 2022) on the patch tokens of the global crops,
-KoLeo and the Sinkhorn-Knopp centering (its defaults; DINO's options), on a ViT of ours."""
+KoLeo and the Sinkhorn-Knopp centering (its defaults; DINO's options), on a ViT: ours,
+or a pretrained transformers or timm one."""
 
 from __future__ import annotations
 
