@@ -140,10 +140,12 @@ def defaults(config) -> dict[str, Any]:
     multi-crop's size when they are. A ViT student from scratch trains with AdamW, as
     ViTs do (DeiT, DINO): on the digits SGD left ``vit_micro`` at its random init (kNN
     54.4% and 50.3% from 51.7% and 51.1%, seeds 0 and 1), AdamW took it to 74% in 400
-    steps."""
+    steps; and for 90 epochs there, as DINO's recipe, where 45 stopped it at 90% (seed 0:
+    a 135-epoch schedule passed 95.8% at step 1200 and 98.1% at step 1800)."""
     tower = scratch_tower(config)
     vit = tower is not None and tower.patch_size is not None
-    return {**crop_defaults(config), "local_crops": 0, **({"optimizer": "adamw"} if vit else {})}
+    vit_defaults = {"optimizer": "adamw", **({"epochs": 90} if config.digits else {})}
+    return {**crop_defaults(config), "local_crops": 0, **(vit_defaults if vit else {})}
 
 
 #: What only distillation reads.
