@@ -24,6 +24,7 @@ from contrastive_accelerate.data import (
     read_image,
     simclr_augmentation,
 )
+from contrastive_accelerate.data.augmentation import ColorJitter
 
 from launch import add_unusual_images, make_image_folder, small_labelled_dataset
 
@@ -103,6 +104,39 @@ def test_horizontal_flip_can_be_left_out(digits):
     crops = MultiCrop(train, image_column, 8, seed=0, global_crops=2, local_crops=1,
                       local_crop_size=4, horizontal_flip=False)  # fmt: skip
     assert not flips(crops.global_augment) and not flips(crops.local_augment)
+
+
+def test_the_colour_jitter_is_torchvisions_but_for_a_grey_images_hue(digits):
+    """Ours leaves a grey image's hue alone (rotating it is the identity, and costly): its
+    outputs equal torchvision's ``ColorJitter``'s bit for bit, the same seed, on 100 digits
+    (grey) and on 50 colour images. Control: without the hue, the colour images change
+    (skipping it there would lose it); the digits do not."""
+    train, _, image_column, _ = digits
+    generator = torch.Generator().manual_seed(0)
+    colour = [torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=generator)
+              for _ in range(50)]  # fmt: skip
+    grey = [read_image(train[index][image_column], index) for index in range(100)]
+    assert all(torch.equal(image[:1].expand(3, -1, -1), image) for image in grey)
+    jitters = {name: jitter(0.4, 0.4, 0.4, hue) for name, jitter, hue in (
+        ("ours", ColorJitter, 0.1), ("torchvision", v2.ColorJitter, 0.1),
+        ("no hue", v2.ColorJitter, None),
+    )}  # fmt: skip
+
+    def outputs(name: str, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        jittered = []
+        for number, image in enumerate(images):
+            torch.manual_seed(number)  # each image's draws, the hue's last (none: not drawn)
+            jittered.append(jitters[name](image))
+        return jittered
+
+    for images in (grey, colour):
+        assert all(map(torch.equal, outputs("ours", images), outputs("torchvision", images)))
+    assert all(map(torch.equal, outputs("no hue", grey), outputs("ours", grey)))
+    moved = sum(
+        not torch.equal(a, b)
+        for a, b in zip(outputs("no hue", colour), outputs("ours", colour), strict=True)
+    )
+    assert moved > 25
 
 
 @pytest.mark.parametrize("augmentation", AUGMENTATIONS)
