@@ -52,7 +52,7 @@ def hand_written_loop(config: TrainConfig, accelerator: Accelerator | None = Non
     loader = DataLoader(
         _IndexToItem(views), batch_size=config.batch_size, shuffle=True, drop_last=True
     )
-    model = SimCLR(backbone=config.model, image_size=config.image_size)
+    model = SimCLR(backbone=config.model, image_size=config.image_size, dropout=config.dropout)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
