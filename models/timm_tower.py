@@ -27,7 +27,7 @@ from torch import nn
 from contrastive_accelerate.untrusted import read_json
 from models.lora import is_adapted
 from models.sync_batchnorm import has_batch_statistics
-from models.towers import mask_patches
+from models.towers import patches_masked
 from models.vision import DATA_MEAN, DATA_STD, on_one_blank_image
 
 #: What a weights file may be: safetensors (nothing in it runs on reading).
@@ -102,18 +102,10 @@ class TimmTower(nn.Module):
         before its position embeddings (DINOv2's student)."""
         if len(images) == 0 and not has_batch_statistics(self):
             return on_one_blank_image(self.tokens, images, masks, mask_token=mask_token)
-        model, hook = self._model(), None
-        if masks is not None:  # channels last on a grid where it takes any size, else (n, P, C)
-            hook = model.patch_embed.register_forward_hook(
-                lambda module, inputs, patches: mask_patches(
-                    patches, masks, mask_token, "NHWC" if patches.dim() == 4 else "NLC"
-                )
-            )
-        try:
+        model = self._model()
+        # channels last on a grid where it takes any size (dynamic_img_size), else (n, P, C)
+        with patches_masked(model.patch_embed, masks, mask_token, "NHWC"):
             tokens = model.forward_features(self._normalised(images))
-        finally:
-            if hook is not None:
-                hook.remove()
         features = model.forward_head(tokens, pre_logits=True)
         return torch.cat([features.unsqueeze(1), tokens[:, model.num_prefix_tokens :]], dim=1)
 

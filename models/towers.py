@@ -34,8 +34,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +227,28 @@ def mask_patches(
     else:
         masks = masks.view(*patches.shape[:-1], 1)
     return torch.where(masks, mask_token.to(patches.dtype), patches)
+
+
+@contextlib.contextmanager
+def patches_masked(
+    embedding: nn.Module, masks: torch.Tensor | None, mask_token: torch.Tensor, grid: str
+) -> Iterator[None]:
+    """While open, ``embedding``'s output (a pretrained ViT's patch embedding) has the
+    patches that ``masks`` marks replaced by ``mask_token`` (``mask_patches``): ``grid`` is
+    the layout of its 4-d outputs (``NCHW``, a convolution's; ``NHWC``, timm's on any
+    size), a 3-d one is ``NLC``. Nothing is hooked without ``masks``."""
+    if masks is None:
+        yield
+        return
+    hook = embedding.register_forward_hook(
+        lambda module, inputs, patches: mask_patches(
+            patches, masks, mask_token, grid if patches.dim() == 4 else "NLC"
+        )
+    )
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 class _StochasticDepthBlock(nn.Module):

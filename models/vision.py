@@ -21,7 +21,7 @@ from models.dropout import sample_randomness
 from models.loading import first_line, load_auto_model, save_without_code
 from models.lora import is_adapted, save_adapted
 from models.sync_batchnorm import has_batch_statistics
-from models.towers import IMAGE_POOLINGS, mask_patches
+from models.towers import IMAGE_POOLINGS, patches_masked
 
 #: The data's normalisation (``contrastive_accelerate.data.NORMALIZE``): pixels in [-1, 1].
 DATA_MEAN, DATA_STD = 0.5, 0.5
@@ -98,6 +98,12 @@ class VisionTower(nn.Module):
         model = encoder.get_base_model() if is_adapted(encoder) else encoder
         arguments = inspect.signature(model.forward).parameters
         self.interpolates = "interpolate_pos_encoding" in arguments
+        # Where DINOv2's mask token goes (``tokens``), found once: its name, since a module
+        # held here would be a second path to the same weights in the state.
+        names = (name for name, _ in encoder.named_modules())
+        self.patch_embedding = next(
+            (name for name in names if name.rpartition(".")[2] in PATCH_EMBEDDINGS), None
+        )
         mean, std = torch.tensor(image_mean), torch.tensor(image_std)
         # x_model = (x01 - mean) / std with x01 = x * DATA_STD + DATA_MEAN, as one affine map
         # (not saved: the processor holds it).
@@ -117,7 +123,7 @@ class VisionTower(nn.Module):
         """The side of its patches in pixels for a model of patch tokens (a ViT: what
         ``tokens`` takes); None for another (a convolutional model)."""
         config = self.encoder.config
-        if getattr(config, "hidden_sizes", None) or _patch_embedding(self.encoder) is None:
+        if getattr(config, "hidden_sizes", None) or self.patch_embedding is None:
             return None
         size = getattr(config, "patch_size", None)
         return size if isinstance(size, int) or size is None else int(size[0])
@@ -140,18 +146,10 @@ class VisionTower(nn.Module):
         ``MultiResolutionViT.tokens`` does (DINOv2's student)."""
         if len(images) == 0 and not has_batch_statistics(self):
             return on_one_blank_image(self.tokens, images, masks, mask_token=mask_token)
-        hook = None
-        if masks is not None:  # a convolution's (n, C, h, w) (CLIP, SigLIP) or (n, P, C)
-            hook = _patch_embedding(self.encoder).register_forward_hook(
-                lambda module, inputs, patches: mask_patches(
-                    patches, masks, mask_token, "NCHW" if patches.dim() == 4 else "NLC"
-                )
-            )
-        try:
+        embedding = self.encoder.get_submodule(self.patch_embedding)
+        # a convolution's (n, C, h, w) (CLIP, SigLIP), else (n, P, C) (ViT, DINOv2)
+        with patches_masked(embedding, masks, mask_token, "NCHW"):
             output = self._encoded(images)
-        finally:
-            if hook is not None:
-                hook.remove()
         patches = output.last_hidden_state[:, -self._patches(images) :]
         return torch.cat([self._pooled(output, images).unsqueeze(1), patches], dim=1)
 
@@ -183,11 +181,6 @@ class VisionTower(nn.Module):
 #: The names transformers gives a ViT's patch embedding: ``ViTPatchEmbeddings`` (ViT,
 #: DINOv2), the convolution of CLIP's and SigLIP's vision towers.
 PATCH_EMBEDDINGS = ("patch_embeddings", "patch_embedding")
-
-
-def _patch_embedding(encoder: nn.Module) -> nn.Module | None:
-    return next((module for name, module in encoder.named_modules()
-                 if name.rpartition(".")[2] in PATCH_EMBEDDINGS), None)  # fmt: skip
 
 
 def on_one_blank_image(
